@@ -1,0 +1,1 @@
+//! Coordinator: planner, scheduler, sequence log, admin and inference services. Filled by the cluster issue.

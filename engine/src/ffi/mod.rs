@@ -1,0 +1,6 @@
+//! Everything that crosses into C lives here, behind safe types: ggml (graphs,
+//! buffers, the CPU backend) and llama.cpp's vocabulary (tokenizer). The rest
+//! of the engine is safe Rust.
+
+pub mod ggml;
+pub mod vocab;

@@ -1,0 +1,437 @@
+//! Model description: architecture, hyper-parameters read from the GGUF,
+//! and the tensors each architecture expects. One file per architecture
+//! holds its hyper-parameter quirks, its tensor list and its layer graph.
+
+mod gemma3;
+pub(crate) mod layers;
+mod llama;
+mod qwen2;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::EngineError;
+use crate::ffi::ggml::{RopeParams, ROPE_NEOX, ROPE_NORM};
+use crate::gguf::{Gguf, Value};
+
+/// Architectures this engine can run (the GGUF's `general.architecture`).
+pub use crate::gguf::SUPPORTED_ARCHITECTURES;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Arch> {
+        Some(match name {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "gemma3" => Arch::Gemma3,
+            _ => return None,
+        })
+    }
+
+    /// The tensors of one layer this architecture reads, with their shapes.
+    pub(crate) fn layer_tensors(self, hp: &Hparams) -> Vec<TensorSpec> {
+        match self {
+            Arch::Llama => llama::layer_tensors(hp),
+            Arch::Qwen2 => qwen2::layer_tensors(hp),
+            Arch::Gemma3 => gemma3::layer_tensors(hp),
+        }
+    }
+
+    pub(crate) fn build_layer<'g>(
+        self,
+        cx: &mut layers::LayerCx<'g, '_>,
+        il: u32,
+        x: crate::ffi::ggml::Tensor<'g>,
+    ) -> crate::ffi::ggml::Tensor<'g> {
+        match self {
+            Arch::Llama => llama::build_layer(cx, il, x),
+            Arch::Qwen2 => qwen2::build_layer(cx, il, x),
+            Arch::Gemma3 => gemma3::build_layer(cx, il, x),
+        }
+    }
+}
+
+/// A tensor an architecture expects: its GGUF name suffix (after `blk.N.`),
+/// its shape in ggml order (`ne[0]` innermost), and whether it must exist.
+#[derive(Clone, Debug)]
+pub(crate) struct TensorSpec {
+    pub name: &'static str,
+    pub shape: Vec<u64>,
+    pub required: bool,
+}
+
+pub(crate) fn req(name: &'static str, shape: &[u32]) -> TensorSpec {
+    TensorSpec {
+        name,
+        shape: shape.iter().map(|&d| d as u64).collect(),
+        required: true,
+    }
+}
+
+pub(crate) fn opt(name: &'static str, shape: &[u32]) -> TensorSpec {
+    TensorSpec {
+        required: false,
+        ..req(name, shape)
+    }
+}
+
+/// Sliding-window attention (gemma3's local layers).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct SlidingWindow {
+    pub window: u32,
+    /// `is_swa[il]`: layer `il` attends only within the window.
+    pub is_swa: Vec<bool>,
+    pub rope_freq_base: f32,
+    pub rope_freq_scale: f32,
+}
+
+/// Everything the graphs need to know about a model, all of it read from the file.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Hparams {
+    pub arch: Arch,
+    pub n_layer: u32,
+    pub n_embd: u32,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim_k: u32,
+    pub head_dim_v: u32,
+    pub n_ff: u32,
+    pub n_vocab: u32,
+    pub n_ctx_train: u32,
+    pub rms_eps: f32,
+    #[serde(skip)]
+    pub rope: RopeParams,
+    pub rope_freq_base: f32,
+    pub swa: Option<SlidingWindow>,
+    /// Multiplier applied to attention scores (usually 1/sqrt(head_dim)).
+    pub attn_scale: f32,
+    /// Multiplier on token embeddings (gemma: sqrt(n_embd)).
+    pub embed_scale: Option<f32>,
+    pub final_logit_softcap: Option<f32>,
+    /// Output projection is the token embedding (no `output.weight`).
+    pub tied_embeddings: bool,
+}
+
+impl Hparams {
+    pub fn n_embd_k_gqa(&self) -> u32 {
+        self.head_dim_k * self.n_head_kv
+    }
+    pub fn n_embd_v_gqa(&self) -> u32 {
+        self.head_dim_v * self.n_head_kv
+    }
+    /// The rope parameters of layer `il` (local layers may use another base).
+    pub fn rope_for_layer(&self, il: u32) -> RopeParams {
+        match &self.swa {
+            Some(swa) if swa.is_swa[il as usize] => RopeParams {
+                freq_base: swa.rope_freq_base,
+                freq_scale: swa.rope_freq_scale,
+                ..self.rope
+            },
+            _ => self.rope,
+        }
+    }
+    pub fn is_swa(&self, il: u32) -> bool {
+        self.swa.as_ref().is_some_and(|s| s.is_swa[il as usize])
+    }
+}
+
+/// A GGUF model opened and validated: the file (memory-mapped), its
+/// architecture and hyper-parameters. Shared by every stage that runs a part of it.
+pub struct ModelFile {
+    pub gguf: Gguf,
+    pub hparams: Hparams,
+    pub path: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for ModelFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelFile")
+            .field("path", &self.path)
+            .field("hparams", &self.hparams)
+            .finish()
+    }
+}
+
+impl ModelFile {
+    /// Opens and validates `path`: GGUF structure, supported architecture,
+    /// required keys, and the shape of every tensor the architecture uses.
+    /// Nothing is computed and no weight is read.
+    pub fn open(path: impl AsRef<Path>) -> Result<Arc<ModelFile>, EngineError> {
+        let path = path.as_ref();
+        let gguf = Gguf::open(path)?;
+        let arch_name = gguf
+            .check_architecture(SUPPORTED_ARCHITECTURES)?
+            .to_string();
+        let arch = Arch::from_name(&arch_name).expect("checked against SUPPORTED_ARCHITECTURES");
+        let hparams = read_hparams(&gguf, arch)?;
+        let model = ModelFile {
+            gguf,
+            hparams,
+            path: path.to_path_buf(),
+        };
+        model.validate_tensors()?;
+        Ok(Arc::new(model))
+    }
+
+    /// Non-layer tensors by role.
+    pub(crate) fn global_tensors(&self) -> Vec<TensorSpec> {
+        let hp = &self.hparams;
+        let mut v = vec![
+            req("token_embd.weight", &[hp.n_embd, hp.n_vocab]),
+            req("output_norm.weight", &[hp.n_embd]),
+        ];
+        if !hp.tied_embeddings {
+            v.push(req("output.weight", &[hp.n_embd, hp.n_vocab]));
+        }
+        v
+    }
+
+    fn validate_tensors(&self) -> Result<(), EngineError> {
+        let hp = &self.hparams;
+        let check = |name: &str, spec: &TensorSpec| -> Result<(), EngineError> {
+            match self.gguf.tensor(name) {
+                None if spec.required => Err(EngineError::MissingTensor {
+                    name: name.to_string(),
+                    arch: hp.arch.name(),
+                }),
+                None => Ok(()),
+                Some(t) if t.dims != spec.shape => Err(EngineError::TensorShape {
+                    name: name.to_string(),
+                    expected: spec.shape.clone(),
+                    found: t.dims.clone(),
+                }),
+                Some(_) => Ok(()),
+            }
+        };
+        for spec in self.global_tensors() {
+            check(spec.name, &spec)?;
+        }
+        let specs = hp.arch.layer_tensors(hp);
+        for il in 0..hp.n_layer {
+            for spec in &specs {
+                check(&format!("blk.{il}.{}", spec.name), spec)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of the weights a range needs, from the file's tensor table.
+    pub fn range_weight_bytes(&self, range: &crate::stage::LayerRange) -> u64 {
+        let mut total: u64 = self
+            .gguf
+            .tensors()
+            .iter()
+            .filter(|t| t.layer().is_some_and(|l| range.layers.contains(&l)))
+            .map(|t| t.size)
+            .sum();
+        let global = |n: &str| self.gguf.tensor(n).map_or(0, |t| t.size);
+        if range.embed {
+            total += global("token_embd.weight");
+        }
+        if range.head {
+            total += global("output_norm.weight");
+            total += if self.hparams.tied_embeddings && !range.embed {
+                global("token_embd.weight")
+            } else {
+                global("output.weight")
+            };
+        }
+        total
+    }
+}
+
+fn key(arch: Arch, k: &str) -> String {
+    format!("{}.{k}", arch.name())
+}
+
+/// A per-layer count that GGUF may store as a scalar or as one value per layer.
+fn uniform_u32(g: &Gguf, k: &str, n_layer: u32) -> Result<Option<u32>, EngineError> {
+    match g.get(k) {
+        None => Ok(None),
+        Some(Value::Array(items)) => {
+            let vals: Vec<u64> = items.iter().filter_map(Value::as_u64).collect();
+            if vals.len() != n_layer as usize || vals.len() != items.len() {
+                return Err(EngineError::BadHparam {
+                    key: k.to_string(),
+                    why: format!("expected {n_layer} integers"),
+                });
+            }
+            if vals.iter().any(|&v| v != vals[0]) {
+                return Err(EngineError::BadHparam {
+                    key: k.to_string(),
+                    why: "different values per layer are not supported yet".into(),
+                });
+            }
+            Ok(Some(vals[0] as u32))
+        }
+        Some(_) => Ok(Some(g.get_u32(k)?)),
+    }
+}
+
+fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
+    let k = |s: &str| key(arch, s);
+    let n_layer = g.get_u32(&k("block_count"))?;
+    let n_embd = g.get_u32(&k("embedding_length"))?;
+    let n_head = uniform_u32(g, &k("attention.head_count"), n_layer)?.ok_or_else(|| {
+        EngineError::Gguf(crate::gguf::GgufError::MissingKey {
+            key: k("attention.head_count"),
+        })
+    })?;
+    let n_head_kv = uniform_u32(g, &k("attention.head_count_kv"), n_layer)?.unwrap_or(n_head);
+    let n_ff = uniform_u32(g, &k("feed_forward_length"), n_layer)?.ok_or_else(|| {
+        EngineError::Gguf(crate::gguf::GgufError::MissingKey {
+            key: k("feed_forward_length"),
+        })
+    })?;
+    let positive = |key: String, v: u32| {
+        if v == 0 {
+            Err(EngineError::BadHparam {
+                key,
+                why: "must be positive".into(),
+            })
+        } else {
+            Ok(v)
+        }
+    };
+    positive(k("block_count"), n_layer)?;
+    positive(k("embedding_length"), n_embd)?;
+    positive(k("attention.head_count"), n_head)?;
+    positive(k("attention.head_count_kv"), n_head_kv)?;
+    if n_head % n_head_kv != 0 {
+        return Err(EngineError::BadHparam {
+            key: k("attention.head_count_kv"),
+            why: format!("{n_head} query heads are not a multiple of {n_head_kv} KV heads"),
+        });
+    }
+    let head_dim_k = g
+        .opt_u32(&k("attention.key_length"))?
+        .unwrap_or(n_embd / n_head);
+    let head_dim_v = g
+        .opt_u32(&k("attention.value_length"))?
+        .unwrap_or(n_embd / n_head);
+    positive(k("attention.key_length"), head_dim_k)?;
+    positive(k("attention.value_length"), head_dim_v)?;
+    let n_ctx_train = g.get_u32(&k("context_length"))?;
+    let rms_eps = g.get_f32(&k("attention.layer_norm_rms_epsilon"))?;
+    let n_rot = g.opt_u32(&k("rope.dimension_count"))?.unwrap_or(head_dim_k);
+    let rope_freq_base = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
+    let scaling = g
+        .opt_str(&k("rope.scaling.type"))?
+        .unwrap_or("linear")
+        .to_string();
+    let factor = match g.opt_f32(&k("rope.scaling.factor"))? {
+        Some(f) => Some(f),
+        None => g.opt_f32(&k("rope.scale_linear"))?,
+    };
+    let mut freq_scale = match factor {
+        Some(f) if f != 0.0 => 1.0 / f,
+        _ => 1.0,
+    };
+    let n_ctx_orig = g
+        .opt_u32(&k("rope.scaling.original_context_length"))?
+        .unwrap_or(n_ctx_train);
+    let (mut ext_factor, mut attn_factor) = (0.0f32, 1.0f32);
+    match scaling.as_str() {
+        "none" => freq_scale = 1.0,
+        "linear" => {}
+        "yarn" => {
+            // The same attention-factor correction llama.cpp applies (llama-context.cpp).
+            ext_factor = 1.0;
+            let factor = 1.0 / freq_scale;
+            let mscale = |scale: f32, m: f32| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let log_mul = g
+                .opt_f32(&k("rope.scaling.yarn_log_multiplier"))?
+                .unwrap_or(0.0);
+            attn_factor = if log_mul != 0.0 {
+                mscale(factor, 1.0) / mscale(factor, log_mul)
+            } else {
+                mscale(factor, 1.0)
+            };
+            attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
+        }
+        other => {
+            return Err(EngineError::BadHparam {
+                key: k("rope.scaling.type"),
+                why: format!("rope scaling '{other}' is not supported"),
+            })
+        }
+    }
+    let mode = match arch {
+        Arch::Llama => ROPE_NORM,
+        Arch::Qwen2 | Arch::Gemma3 => ROPE_NEOX,
+    };
+    let rope = RopeParams {
+        n_dims: n_rot as i32,
+        mode,
+        n_ctx_orig: n_ctx_orig as i32,
+        freq_base: rope_freq_base,
+        freq_scale,
+        ext_factor,
+        attn_factor,
+        beta_fast: g
+            .opt_f32(&k("rope.scaling.yarn_beta_fast"))?
+            .unwrap_or(32.0),
+        beta_slow: g.opt_f32(&k("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
+    };
+    let embd = g
+        .tensor("token_embd.weight")
+        .ok_or(EngineError::MissingTensor {
+            name: "token_embd.weight".into(),
+            arch: arch.name(),
+        })?;
+    let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as u32;
+    positive("token_embd.weight (vocabulary size)".into(), n_vocab)?;
+    let mut hp = Hparams {
+        arch,
+        n_layer,
+        n_embd,
+        n_head,
+        n_head_kv,
+        head_dim_k,
+        head_dim_v,
+        n_ff,
+        n_vocab,
+        n_ctx_train,
+        rms_eps,
+        rope,
+        rope_freq_base,
+        swa: None,
+        attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
+        embed_scale: None,
+        final_logit_softcap: None,
+        tied_embeddings: g.tensor("output.weight").is_none(),
+    };
+    match arch {
+        Arch::Llama => llama::adjust_hparams(g, &mut hp)?,
+        Arch::Qwen2 => {}
+        Arch::Gemma3 => gemma3::adjust_hparams(g, &mut hp)?,
+    }
+    if n_rot > head_dim_k || n_rot % 2 != 0 {
+        return Err(EngineError::BadHparam {
+            key: k("rope.dimension_count"),
+            why: format!("{n_rot} must be even and at most the head size {head_dim_k}"),
+        });
+    }
+    Ok(hp)
+}

@@ -1,0 +1,821 @@
+//! A stage runs one layer range of a model: optionally the embedding, the
+//! layers `a..b` with their KV cache, optionally the head (final norm and
+//! output projection). A whole model is the range `0..n` with both ends.
+//! Stages hand each other a [`Hidden`] state, which serializes to bytes so a
+//! split across processes computes exactly what one process computes.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::error::EngineError;
+use crate::ffi::ggml::{
+    self, Buffer, BufferType, CpuBackend, Ctx, GraphAllocator, Tensor, TensorStore, TYPE_F16,
+    TYPE_F32, TYPE_I32, TYPE_I64,
+};
+use crate::kv::{KvCache, KvConfig};
+use crate::model::layers::LayerCx;
+use crate::model::ModelFile;
+
+/// Which part of the model a stage runs.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LayerRange {
+    pub embed: bool,
+    pub layers: Range<u32>,
+    pub head: bool,
+}
+
+impl LayerRange {
+    pub fn whole(n_layer: u32) -> LayerRange {
+        LayerRange {
+            embed: true,
+            layers: 0..n_layer,
+            head: true,
+        }
+    }
+
+    /// Splits `0..n_layer` into contiguous ranges of the given sizes; the
+    /// first gets the embedding, the last the head.
+    pub fn split(n_layer: u32, sizes: &[u32]) -> Result<Vec<LayerRange>, EngineError> {
+        if sizes.is_empty() || sizes.iter().sum::<u32>() != n_layer {
+            return Err(EngineError::Config(format!(
+                "layer split {sizes:?} does not add up to the model's {n_layer} layers"
+            )));
+        }
+        let mut start = 0;
+        let n = sizes.len();
+        Ok(sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                let r = LayerRange {
+                    embed: i == 0,
+                    layers: start..start + s,
+                    head: i == n - 1,
+                };
+                start += s;
+                r
+            })
+            .collect())
+    }
+
+    fn validate(&self, n_layer: u32) -> Result<(), EngineError> {
+        if self.layers.start > self.layers.end || self.layers.end > n_layer {
+            return Err(EngineError::Config(format!(
+                "layer range {:?} is outside the model's 0..{n_layer}",
+                self.layers
+            )));
+        }
+        if self.layers.is_empty() && !self.embed && !self.head {
+            return Err(EngineError::Config(
+                "an empty layer range with neither embedding nor head does nothing".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}layers {}..{}{}",
+            if self.embed { "embed + " } else { "" },
+            self.layers.start,
+            self.layers.end,
+            if self.head { " + head" } else { "" }
+        )
+    }
+}
+
+/// One step's worth of tokens, possibly from several sequences.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Token ids (needed by the stage that runs the embedding).
+    pub tokens: Vec<u32>,
+    pub pos: Vec<i32>,
+    pub seq: Vec<u32>,
+    /// Whether the logits of each token are wanted.
+    pub logits: Vec<bool>,
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.pos.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.pos.is_empty()
+    }
+    pub fn push(&mut self, token: u32, pos: i32, seq: u32, logits: bool) {
+        self.tokens.push(token);
+        self.pos.push(pos);
+        self.seq.push(seq);
+        self.logits.push(logits);
+    }
+    fn validate(&self, need_tokens: bool) -> Result<(), EngineError> {
+        let n = self.pos.len();
+        if n == 0 {
+            return Err(EngineError::Config("empty batch".into()));
+        }
+        if self.seq.len() != n || self.logits.len() != n || (need_tokens && self.tokens.len() != n)
+        {
+            return Err(EngineError::Config(format!(
+                "inconsistent batch: {} tokens, {} positions, {} sequence ids, {} logit flags",
+                self.tokens.len(),
+                n,
+                self.seq.len(),
+                self.logits.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The hidden state passed between stages: `[n_tokens, n_embd]`, row-major, f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hidden {
+    pub n_tokens: usize,
+    pub n_embd: usize,
+    pub data: Vec<f32>,
+}
+
+/// Element type of a serialized hidden state. F32 is the default because it
+/// makes a split bit-identical to one process; F16 halves the bytes moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum HiddenDtype {
+    F32,
+    F16,
+}
+
+const HIDDEN_MAGIC: &[u8; 4] = b"OMHS";
+
+impl Hidden {
+    /// `OMHS`, dtype (u8: 0 f32, 1 f16), 3 zero bytes, n_tokens u32, n_embd u32, then the values, little-endian.
+    pub fn to_bytes(&self, dtype: HiddenDtype) -> Vec<u8> {
+        let elem = if dtype == HiddenDtype::F32 { 4 } else { 2 };
+        let mut out = Vec::with_capacity(16 + self.data.len() * elem);
+        out.extend_from_slice(HIDDEN_MAGIC);
+        out.extend_from_slice(&[u8::from(dtype == HiddenDtype::F16), 0, 0, 0]);
+        out.extend_from_slice(&(self.n_tokens as u32).to_le_bytes());
+        out.extend_from_slice(&(self.n_embd as u32).to_le_bytes());
+        match dtype {
+            HiddenDtype::F32 => self
+                .data
+                .iter()
+                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            HiddenDtype::F16 => {
+                let mut h = Vec::new();
+                ggml::f32_to_f16(&self.data, &mut h);
+                h.iter()
+                    .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            }
+        }
+        out
+    }
+
+    pub fn from_bytes(b: &[u8]) -> Result<Hidden, EngineError> {
+        let bad = |why: String| EngineError::BadHidden(why);
+        if b.len() < 16 || &b[..4] != HIDDEN_MAGIC {
+            return Err(bad(format!(
+                "not a serialized hidden state ({} bytes, magic {:?})",
+                b.len(),
+                b.get(..4)
+            )));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as usize;
+        let (n_tokens, n_embd) = (u32_at(8), u32_at(12));
+        let elem = match b[4] {
+            0 => 4,
+            1 => 2,
+            d => return Err(bad(format!("unknown dtype {d}"))),
+        };
+        let n = n_tokens
+            .checked_mul(n_embd)
+            .ok_or_else(|| bad("size overflows".into()))?;
+        if b.len() - 16 != n * elem {
+            return Err(bad(format!(
+                "{n_tokens} x {n_embd} values need {} bytes, got {}",
+                n * elem,
+                b.len() - 16
+            )));
+        }
+        let body = &b[16..];
+        let data = if elem == 4 {
+            body.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        } else {
+            body.chunks_exact(2)
+                .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect()
+        };
+        Ok(Hidden {
+            n_tokens,
+            n_embd,
+            data,
+        })
+    }
+}
+
+/// IEEE half to single (exact; every f16 is an f32).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalise.
+            let shift = m.leading_zeros() - 21;
+            sign | ((127 - 15 + 1 - shift) << 23) | (((m << shift) & 0x3ff) << 13)
+        }
+        (31, 0) => sign | 0x7f80_0000,
+        (31, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// Logits of the tokens that asked for them, in batch order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logits {
+    pub n_vocab: usize,
+    /// Batch index of each row.
+    pub rows: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.n_vocab..(i + 1) * self.n_vocab]
+    }
+    /// The row of batch index `b`, if it was requested.
+    pub fn for_batch_index(&self, b: usize) -> Option<&[f32]> {
+        self.rows.iter().position(|&r| r == b).map(|i| self.row(i))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageOutput {
+    Hidden(Hidden),
+    Logits(Logits),
+}
+
+/// Runtime settings of a stage.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StageConfig {
+    pub kv: KvConfig,
+    /// Most tokens in one step (llama.cpp's `n_ubatch`).
+    pub n_ubatch: usize,
+    pub n_threads: usize,
+    /// Re-lay quantized matmul weights for the CPU's fastest kernels
+    /// (llama.cpp's default "extra buffer types"). Costs a copy of those weights.
+    pub repack: bool,
+}
+
+impl Default for StageConfig {
+    fn default() -> Self {
+        StageConfig {
+            kv: KvConfig {
+                n_ctx: 4096,
+                n_seq: 1,
+            },
+            n_ubatch: 512,
+            n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            repack: true,
+        }
+    }
+}
+
+/// Where a weight lives: the memory map (zero-copy) or a repacked copy.
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    Mapped(usize),
+    Repacked(usize),
+}
+
+/// The weights of one stage.
+pub struct Weights {
+    mapped: TensorStore,
+    repacked: TensorStore,
+    by_name: HashMap<String, Slot>,
+    _buffers: Vec<Buffer>,
+    /// Bytes copied into repacked buffers.
+    pub repacked_bytes: u64,
+    /// Bytes used straight from the memory map.
+    pub mapped_bytes: u64,
+}
+
+impl Weights {
+    pub(crate) fn get(&self, name: &str) -> Option<Tensor<'_>> {
+        self.by_name.get(name).map(|s| match *s {
+            Slot::Mapped(i) => self.mapped.get(i),
+            Slot::Repacked(i) => self.repacked.get(i),
+        })
+    }
+
+    pub(crate) fn layer(&self, il: u32, name: &str) -> Option<Tensor<'_>> {
+        self.get(&format!("blk.{il}.{name}"))
+    }
+
+    fn load(
+        model: &ModelFile,
+        range: &LayerRange,
+        repack: bool,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Weights, EngineError> {
+        let g = &model.gguf;
+        let hp = &model.hparams;
+        // Names this range uses, and whether each feeds a matmul only
+        // (only those may be repacked: the repacked layout cannot get_rows).
+        let mut wanted: Vec<(String, bool)> = Vec::new();
+        let specs = hp.arch.layer_tensors(hp);
+        for il in range.layers.clone() {
+            for s in &specs {
+                let name = format!("blk.{il}.{}", s.name);
+                if g.tensor(&name).is_some() {
+                    let matmul = s.name.ends_with(".weight")
+                        && g.tensor(&name).is_some_and(|t| t.dims.len() == 2);
+                    wanted.push((name, matmul));
+                }
+            }
+        }
+        if range.embed || (range.head && hp.tied_embeddings) {
+            wanted.push(("token_embd.weight".into(), false));
+        }
+        if range.head {
+            wanted.push(("output_norm.weight".into(), false));
+            if !hp.tied_embeddings {
+                wanted.push(("output.weight".into(), true));
+            }
+        }
+
+        let extra = if repack {
+            ggml::cpu_extra_buffer_types()
+        } else {
+            Vec::new()
+        };
+        let repack_buft: Option<BufferType> = extra.first().copied();
+        let mut mapped = TensorStore::new(wanted.len());
+        let mut repacked = TensorStore::new(wanted.len());
+        let mut by_name = HashMap::new();
+        let mut to_copy = Vec::new();
+        let mut placed = Vec::new();
+        let (mut mapped_bytes, mut repacked_bytes) = (0u64, 0u64);
+        for (name, matmul) in &wanted {
+            let info = g.tensor(name).expect("listed from the tensor table");
+            let ne: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
+            let ty = info.ggml_type.id();
+            let idx = mapped.add(ty, &ne, name);
+            let use_repack = *matmul
+                && repack_buft.is_some_and(|b| ggml::buft_supports_mul_mat(b, mapped.get(idx)));
+            if use_repack {
+                let r = repacked.add(ty, &ne, name);
+                by_name.insert(name.clone(), Slot::Repacked(r));
+                to_copy.push((r, info.clone()));
+                repacked_bytes += info.size;
+            } else {
+                by_name.insert(name.clone(), Slot::Mapped(idx));
+                placed.push((idx, info.clone()));
+                mapped_bytes += info.size;
+            }
+        }
+        let bytes = g.bytes();
+        let mut buffers = Vec::new();
+        // SAFETY (contract of from_host_ptr): the map lives in `model`, which
+        // every stage holds through an Arc for as long as its weights exist.
+        let map_buf = unsafe { Buffer::from_host_ptr(bytes.as_ptr(), bytes.len()) }.ok_or(
+            EngineError::OutOfMemory {
+                what: "weights buffer".into(),
+                bytes: bytes.len() as u64,
+            },
+        )?;
+        for (idx, info) in &placed {
+            // SAFETY: the GGUF reader checked offset + size <= file length.
+            unsafe { map_buf.place(mapped.get(*idx), bytes.as_ptr(), info.offset as usize) }
+                .map_err(EngineError::Ggml)?;
+        }
+        buffers.push(map_buf);
+        let total = to_copy.len();
+        if let (Some(buft), false) = (repack_buft, to_copy.is_empty()) {
+            let buf = Buffer::alloc_ctx(repacked.ctx(), buft).ok_or(EngineError::OutOfMemory {
+                what: "repacked weights".into(),
+                bytes: repacked_bytes,
+            })?;
+            for (i, (r, info)) in to_copy.iter().enumerate() {
+                repacked.get(*r).write_bytes(g.tensor_data(info));
+                progress(i + 1, total);
+            }
+            buffers.push(buf);
+        }
+        Ok(Weights {
+            mapped,
+            repacked,
+            by_name,
+            _buffers: buffers,
+            repacked_bytes,
+            mapped_bytes,
+        })
+    }
+}
+
+/// A loaded layer range, ready to run steps.
+pub struct Stage {
+    model: Arc<ModelFile>,
+    range: LayerRange,
+    cfg: StageConfig,
+    weights: Weights,
+    kv: KvCache,
+    backend: CpuBackend,
+    alloc: GraphAllocator,
+    // Reused scratch for inputs.
+    mask: Vec<u16>,
+    mask_swa: Vec<u16>,
+    out: Vec<f32>,
+}
+
+impl Stage {
+    /// Loads `range` of `model`: maps its weights, repacks what benefits,
+    /// allocates the KV cache and sizes the compute buffer for `n_ubatch`.
+    pub fn load(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+    ) -> Result<Stage, EngineError> {
+        Self::load_with_progress(model, range, cfg, &mut |_, _| {})
+    }
+
+    pub fn load_with_progress(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Stage, EngineError> {
+        let hp = &model.hparams;
+        range.validate(hp.n_layer)?;
+        if cfg.n_ubatch == 0 {
+            return Err(EngineError::Config("n_ubatch must be at least 1".into()));
+        }
+        if cfg.kv.n_ctx > hp.n_ctx_train as usize {
+            return Err(EngineError::Config(format!(
+                "context {} exceeds the model's trained context of {} tokens",
+                cfg.kv.n_ctx, hp.n_ctx_train
+            )));
+        }
+        let backend = CpuBackend::new(cfg.n_threads);
+        let weights = Weights::load(&model, &range, cfg.repack, progress)?;
+        let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, &backend)?;
+        let alloc = GraphAllocator::new(backend.buffer_type());
+        let mut stage = Stage {
+            model,
+            range,
+            cfg,
+            weights,
+            kv,
+            backend,
+            alloc,
+            mask: Vec::new(),
+            mask_swa: Vec::new(),
+            out: Vec::new(),
+        };
+        stage.reserve()?;
+        Ok(stage)
+    }
+
+    pub fn range(&self) -> &LayerRange {
+        &self.range
+    }
+    pub fn model(&self) -> &Arc<ModelFile> {
+        &self.model
+    }
+    pub fn config(&self) -> &StageConfig {
+        &self.cfg
+    }
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+    /// Bytes of the compute buffer (sized for the worst-case step).
+    pub fn compute_bytes(&self) -> usize {
+        self.alloc.buffer_size()
+    }
+
+    /// Frees the KV cells of `seq` (all of them, or from position `from` on).
+    pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
+        self.kv.remove_seq(seq, from);
+    }
+
+    /// Sizes the compute buffer once, for a full micro-batch over a full cache.
+    fn reserve(&mut self) -> Result<(), EngineError> {
+        let n = self.cfg.n_ubatch.min(self.kv.config().n_cells());
+        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+        let parts = GraphParts {
+            model: &self.model,
+            range: &self.range,
+            weights: &self.weights,
+            kv: &self.kv,
+        };
+        let (graph, _) = parts.build(&ctx, n, self.kv.config().n_cells(), n);
+        self.alloc
+            .reserve(&graph)
+            .map_err(|e| EngineError::OutOfMemory {
+                what: format!("compute buffer: {e}"),
+                bytes: 0,
+            })
+    }
+}
+
+/// The parts of a stage a graph reads (borrowed apart from the mutable runtime).
+struct GraphParts<'a> {
+    model: &'a ModelFile,
+    range: &'a LayerRange,
+    weights: &'a Weights,
+    kv: &'a KvCache,
+}
+
+impl GraphParts<'_> {
+    /// Builds the graph of one step. Returns the graph and its output tensor.
+    fn build<'g>(
+        &'g self,
+        ctx: &'g Ctx,
+        n_tokens: usize,
+        n_kv: usize,
+        n_out: usize,
+    ) -> (ggml::Graph<'g>, Tensor<'g>) {
+        let hp = &self.model.hparams;
+        let (nt, e) = (n_tokens as i64, hp.n_embd as i64);
+        let mut graph = ctx.new_graph();
+        let mut x = if self.range.embed {
+            let tokens = ctx.input(TYPE_I32, &[nt], "inp_tokens");
+            let emb = self.weights.get("token_embd.weight").expect("loaded");
+            let x = ctx.get_rows(emb, tokens);
+            match hp.embed_scale {
+                Some(s) => ctx.scale(x, s),
+                None => x,
+            }
+        } else {
+            ctx.input(TYPE_F32, &[e, nt], "inp_hidden")
+        };
+        let want_out_ids = self.range.head && n_out < n_tokens;
+        let out_ids = want_out_ids.then(|| ctx.input(TYPE_I32, &[n_out as i64], "inp_out_ids"));
+        if !self.range.layers.is_empty() {
+            let pos = ctx.input(TYPE_I32, &[nt], "inp_pos");
+            let kv_idx = ctx.input(TYPE_I64, &[nt], "inp_kv_idx");
+            let mask = ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask");
+            let mask_swa = hp
+                .swa
+                .is_some()
+                .then(|| ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask_swa"));
+            let mut cx = LayerCx {
+                g: ctx,
+                graph: &mut graph,
+                hp,
+                weights: &self.weights,
+                kv: &self.kv,
+                pos,
+                kv_idx,
+                mask,
+                mask_swa,
+                n_kv: n_kv as i64,
+                n_tokens: nt,
+                out_ids: None,
+            };
+            for il in self.range.layers.clone() {
+                if il + 1 == hp.n_layer {
+                    cx.out_ids = out_ids;
+                }
+                x = hp.arch.build_layer(&mut cx, il, x);
+            }
+        }
+        if self.range.head {
+            let last_layer_here =
+                !self.range.layers.is_empty() && self.range.layers.end == hp.n_layer;
+            if let (Some(ids), false) = (out_ids, last_layer_here) {
+                x = ctx.get_rows(x, ids);
+            }
+            let norm = ctx.rms_norm(x, hp.rms_eps);
+            x = ctx.mul(
+                norm,
+                self.weights.get("output_norm.weight").expect("loaded"),
+            );
+            let out_w = self
+                .weights
+                .get(if hp.tied_embeddings {
+                    "token_embd.weight"
+                } else {
+                    "output.weight"
+                })
+                .expect("loaded");
+            x = ctx.mul_mat(out_w, x);
+            if let Some(cap) = hp.final_logit_softcap {
+                x = ctx.scale(ctx.tanh(ctx.scale(x, 1.0 / cap)), cap);
+            }
+        }
+        x.set_output();
+        graph.expand(x);
+        (graph, x)
+    }
+}
+
+impl Stage {
+    /// Runs one step. `input` is the previous stage's hidden state (absent
+    /// on the stage that runs the embedding). Returns the hidden state for
+    /// the next stage, or the logits of the tokens that asked for them.
+    pub fn forward(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+    ) -> Result<StageOutput, EngineError> {
+        let hp = self.model.hparams.clone();
+        batch.validate(self.range.embed)?;
+        let n = batch.len();
+        if n > self.cfg.n_ubatch {
+            return Err(EngineError::Config(format!(
+                "batch of {n} tokens exceeds n_ubatch {}",
+                self.cfg.n_ubatch
+            )));
+        }
+        if self.range.embed {
+            if let Some(&bad) = batch.tokens.iter().find(|&&t| t >= hp.n_vocab) {
+                return Err(EngineError::Config(format!(
+                    "token id {bad} is outside the vocabulary of {} tokens",
+                    hp.n_vocab
+                )));
+            }
+        } else {
+            let h = input.ok_or_else(|| {
+                EngineError::Config("this stage needs the previous stage's hidden state".into())
+            })?;
+            if h.n_tokens != n || h.n_embd != hp.n_embd as usize || h.data.len() != n * h.n_embd {
+                return Err(EngineError::BadHidden(format!(
+                    "hidden state is {} x {} but the step has {n} tokens of width {}",
+                    h.n_tokens, h.n_embd, hp.n_embd
+                )));
+            }
+        }
+        let has_layers = !self.range.layers.is_empty();
+        let kv_idx = if has_layers {
+            self.kv.allocate(&batch.seq, &batch.pos)?
+        } else {
+            Vec::new()
+        };
+        let result = self.run(batch, input, &kv_idx);
+        if result.is_err() && has_layers {
+            self.kv.release(&kv_idx);
+        }
+        result
+    }
+
+    fn run(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+        kv_idx: &[i64],
+    ) -> Result<StageOutput, EngineError> {
+        let hp = &self.model.hparams;
+        let n = batch.len();
+        let out_rows: Vec<usize> = if self.range.head {
+            (0..n).filter(|&i| batch.logits[i]).collect()
+        } else {
+            (0..n).collect()
+        };
+        let n_kv = self.kv.n_kv();
+        let has_layers = !self.range.layers.is_empty();
+        if has_layers {
+            self.kv
+                .mask(&batch.seq, &batch.pos, n_kv, None, &mut self.mask);
+            if let Some(swa) = &hp.swa {
+                self.kv.mask(
+                    &batch.seq,
+                    &batch.pos,
+                    n_kv,
+                    Some(swa.window),
+                    &mut self.mask_swa,
+                );
+            }
+        }
+        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+        // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
+        let parts = GraphParts {
+            model: &self.model,
+            range: &self.range,
+            weights: &self.weights,
+            kv: &self.kv,
+        };
+        let (graph, out) = parts.build(&ctx, n, n_kv, out_rows.len());
+        self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
+        let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
+            // Inputs no node reads (a range with no global layer has no use for
+            // the global mask) get no memory from the allocator.
+            if let Some(t) = ctx.get_tensor(name).filter(|t| t.is_allocated()) {
+                f(t)
+            }
+        };
+        set("inp_tokens", &|t| {
+            t.write(&batch.tokens.iter().map(|&x| x as i32).collect::<Vec<_>>())
+        });
+        set("inp_hidden", &|t| {
+            t.write(&input.expect("checked in forward").data)
+        });
+        set("inp_pos", &|t| t.write(&batch.pos));
+        set("inp_kv_idx", &|t| t.write(kv_idx));
+        set("inp_mask", &|t| t.write(&self.mask));
+        set("inp_mask_swa", &|t| t.write(&self.mask_swa));
+        set("inp_out_ids", &|t| {
+            t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
+        });
+        self.backend.compute(&graph).map_err(EngineError::Ggml)?;
+        out.read_f32(&mut self.out);
+        Ok(if self.range.head {
+            StageOutput::Logits(Logits {
+                n_vocab: hp.n_vocab as usize,
+                rows: out_rows,
+                data: self.out.clone(),
+            })
+        } else {
+            StageOutput::Hidden(Hidden {
+                n_tokens: n,
+                n_embd: hp.n_embd as usize,
+                data: self.out.clone(),
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_round_trip_is_exact_for_halves() {
+        let vals = [
+            0.0f32,
+            -0.0,
+            1.0,
+            -2.5,
+            65504.0,
+            6.1035156e-5,
+            5.9604645e-8,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let mut h = Vec::new();
+        ggml::f32_to_f16(&vals, &mut h);
+        for (v, h) in vals.iter().zip(&h) {
+            assert_eq!(f16_to_f32(*h), *v, "{v}");
+        }
+    }
+
+    #[test]
+    fn hidden_serialization_round_trips_and_rejects_garbage() {
+        let h = Hidden {
+            n_tokens: 2,
+            n_embd: 3,
+            data: vec![1.0, -2.0, 3.5, 0.25, 1e-3, -7.0],
+        };
+        assert_eq!(
+            Hidden::from_bytes(&h.to_bytes(HiddenDtype::F32)).unwrap(),
+            h
+        );
+        let h16 = Hidden::from_bytes(&h.to_bytes(HiddenDtype::F16)).unwrap();
+        assert!(h16
+            .data
+            .iter()
+            .zip(&h.data)
+            .all(|(a, b)| (a - b).abs() <= b.abs() * 1e-3));
+        let mut b = h.to_bytes(HiddenDtype::F32);
+        b.pop();
+        assert!(Hidden::from_bytes(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("need"));
+        assert!(Hidden::from_bytes(b"nope").is_err());
+    }
+
+    #[test]
+    fn split_covers_all_layers() {
+        let r = LayerRange::split(18, &[6, 6, 6]).unwrap();
+        assert_eq!(
+            r[0],
+            LayerRange {
+                embed: true,
+                layers: 0..6,
+                head: false
+            }
+        );
+        assert_eq!(
+            r[2],
+            LayerRange {
+                embed: false,
+                layers: 12..18,
+                head: true
+            }
+        );
+        assert!(LayerRange::split(18, &[6, 6])
+            .unwrap_err()
+            .to_string()
+            .contains("18"));
+    }
+}

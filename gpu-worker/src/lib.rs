@@ -1,0 +1,1 @@
+//! gpu-worker: executes a layer range on one device. Filled by the cluster issue.

@@ -1,0 +1,1 @@
+//! router: the OpenAI-compatible HTTP API. Filled by the router issue.
