@@ -29,3 +29,31 @@ pub use tokenizer::{StreamDecoder, Tokenizer};
 pub fn cpu_features() -> Vec<&'static str> {
     ffi::ggml::cpu_features()
 }
+
+/// llama.cpp's own greedy decoding of a whole model (same vendored source
+/// and build flags as our ggml), as a reference for tests and checks:
+/// per step, the chosen id and the logits.
+pub fn llama_cpp_greedy(
+    path: &std::path::Path,
+    prompt: &[u32],
+    n_gen: usize,
+    n_threads: usize,
+) -> Result<Vec<(u32, Vec<f32>)>, EngineError> {
+    ffi::llama_ref::greedy(path, prompt, n_gen, n_threads).map_err(EngineError::Ggml)
+}
+
+/// Type ids for [`ggml_matmul_check`].
+pub use gguf::GgmlType;
+
+/// A real matmul through our ggml build against a plain Rust reference:
+/// returns `(ggml, reference)` outputs of `W x` with `W` stored as `ty`.
+pub fn ggml_matmul_check(
+    ty: GgmlType,
+    w: &[f32],
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    repack: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    ffi::ggml::matmul_check(ty.id(), w, x, rows, k, repack)
+}

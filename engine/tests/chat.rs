@@ -3,7 +3,7 @@ mod common;
 use omni_engine::chat::*;
 
 const QWEN: &str = include_str!("data/qwen2_5_coder_chat_template.jinja");
-const GEMMA3: &str = include_str!("data/gemma3_chat_template.jinja");
+const GEMMA3: &str = include_str!("../templates/gemma3.jinja");
 
 fn msg(role: &str, content: &str) -> ChatMessage {
     ChatMessage {

@@ -1,7 +1,8 @@
+mod common;
+
 use omni_engine::gguf::*;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 // ---------------------------------------------------------------------------------------------
 // A minimal GGUF writer, so tests control every byte of the files they parse.
@@ -967,19 +968,6 @@ fn mutated_files_never_panic() {
 // Real files, when present
 // ---------------------------------------------------------------------------------------------
 
-/// The shared fixtures folder: `$OMNI_FIXTURES_DIR`, or `shared/fixtures` next to the workspace.
-fn fixtures_dir() -> Option<PathBuf> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    std::env::var_os("OMNI_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([
-            manifest.join("../../shared/fixtures"),
-            manifest.join("../shared/fixtures"),
-        ])
-        .find(|dir| dir.is_dir())
-}
-
 /// Compares one metadata value with its entry in `gguf_metadata_dump.json`, where floats are
 /// f32s widened to f64 and long arrays are summarised as "<array of N>".
 fn assert_matches_dump(key: &str, value: &Value, expected: &serde_json::Value) {
@@ -1011,10 +999,7 @@ fn assert_matches_dump(key: &str, value: &Value, expected: &serde_json::Value) {
 
 #[test]
 fn synthetic_fixtures_match_metadata_dump() {
-    let Some(dir) = fixtures_dir().map(|d| d.join("synthetic")) else {
-        eprintln!("skipping: no fixtures dir (set OMNI_FIXTURES_DIR)");
-        return;
-    };
+    let dir = common::fixtures_dir().join("synthetic");
     let dump: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("gguf_metadata_dump.json")).unwrap(),
     )
@@ -1066,12 +1051,7 @@ fn synthetic_fixtures_match_metadata_dump() {
 
 #[test]
 fn unsupported_architecture_fixture() {
-    let Some(path) =
-        fixtures_dir().map(|d| d.join("synthetic/tiny-deepseek3_2-unsupported-f32.gguf"))
-    else {
-        eprintln!("skipping: no fixtures dir (set OMNI_FIXTURES_DIR)");
-        return;
-    };
+    let path = common::fixtures_dir().join("synthetic/tiny-deepseek3_2-unsupported-f32.gguf");
     let g = Gguf::open(&path).unwrap();
     let err = g.check_architecture(SUPPORTED_ARCHITECTURES).unwrap_err();
     assert!(matches!(err, GgufError::UnsupportedArchitecture { .. }));
@@ -1080,19 +1060,11 @@ fn unsupported_architecture_fixture() {
 
 #[test]
 fn real_models() {
-    let Some(home) = std::env::var_os("HOME") else {
-        return;
-    };
-    let models = Path::new(&home).join(".cache/omni/models");
     for (file, arch, n_layers) in [
         ("gemma3-270m-q4_k_m.gguf", "gemma3", 18),
         ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen2", 24),
     ] {
-        let path = models.join(file);
-        if !path.exists() {
-            eprintln!("skipping {}: not present", path.display());
-            continue;
-        }
+        let path = common::model(file);
         let g = Gguf::open(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(g.check_architecture(SUPPORTED_ARCHITECTURES).unwrap(), arch);
         let total = g.tensors().iter().map(|t| t.size).sum::<u64>();

@@ -776,3 +776,77 @@ impl TensorStore {
         self.tensors.is_empty()
     }
 }
+
+/// Runs `y = W x` through our ggml build with `W` (`rows x k`, row-major)
+/// stored as `ty` (repacked when `repack` and the CPU supports it), and
+/// returns `y` (`n x rows`) with the reference `dequant(W) · x` in plain Rust.
+/// A build with wrong CPU flags gives garbage here, so a test keeps it honest.
+pub fn matmul_check(
+    ty: RawType,
+    w: &[f32],
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    repack: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    init();
+    let n = x.len() / k;
+    let mut q = vec![0u8; row_size(ty, k as i64) * rows];
+    // SAFETY: `w` has rows*k floats; `q` is sized by ggml's own row size.
+    unsafe {
+        sys::ggml_quantize_chunk(
+            ty,
+            w.as_ptr(),
+            q.as_mut_ptr() as *mut c_void,
+            0,
+            rows as i64,
+            k as i64,
+            ptr::null(),
+        )
+    };
+    let mut deq = vec![0f32; rows * k];
+    // SAFETY: ggml's traits table has a to_float for every quantized type.
+    unsafe {
+        let to_float = (*sys::ggml_get_type_traits(ty))
+            .to_float
+            .expect("type has a dequantizer");
+        to_float(
+            q.as_ptr() as *const c_void,
+            deq.as_mut_ptr(),
+            (rows * k) as i64,
+        );
+    }
+    let reference: Vec<f32> = (0..n)
+        .flat_map(|j| {
+            let deq = &deq;
+            (0..rows).map(move |r| {
+                (0..k)
+                    .map(|i| deq[r * k + i] as f64 * x[j * k + i] as f64)
+                    .sum::<f64>() as f32
+            })
+        })
+        .collect();
+
+    let mut store = TensorStore::new(1);
+    let wi = store.add(ty, &[k as i64, rows as i64], "w");
+    let buft = cpu_extra_buffer_types()
+        .into_iter()
+        .find(|b| repack && buft_supports_mul_mat(*b, store.get(wi)));
+    let backend = CpuBackend::new(2);
+    let _buf = Buffer::alloc_ctx(store.ctx(), buft.unwrap_or(backend.buffer_type()))
+        .expect("small buffer");
+    store.get(wi).write_bytes(&q);
+    let ctx = Ctx::new(8, true);
+    let xt = ctx.input(TYPE_F32, &[k as i64, n as i64], "x");
+    let y = ctx.mul_mat(store.get(wi), xt);
+    let mut graph = ctx.new_graph();
+    graph.expand(y);
+    let mut alloc = GraphAllocator::new(backend.buffer_type());
+    alloc.alloc(&graph).expect("graph fits");
+    xt.write(x);
+    let mut backend = backend;
+    backend.compute(&graph).expect("compute");
+    let mut out = Vec::new();
+    y.read_f32(&mut out);
+    (out, reference)
+}

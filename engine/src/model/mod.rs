@@ -188,6 +188,32 @@ impl ModelFile {
         Ok(Arc::new(model))
     }
 
+    /// The chat template: the file's `tokenizer.chat_template`, or for a
+    /// file without one (base models), the family's template (gemma3) or ChatML.
+    pub fn chat_template(&self) -> Result<crate::chat::ChatTemplate, EngineError> {
+        let g = &self.gguf;
+        let token_text = |key: &str| -> Result<String, EngineError> {
+            let Some(id) = g.opt_u32(key)? else {
+                return Ok(String::new());
+            };
+            let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
+            Ok(tokens
+                .get(id as usize)
+                .map(|s| s.to_string())
+                .unwrap_or_default())
+        };
+        let (bos, eos) = (
+            token_text("tokenizer.ggml.bos_token_id")?,
+            token_text("tokenizer.ggml.eos_token_id")?,
+        );
+        let source = match (g.opt_str("tokenizer.chat_template")?, self.hparams.arch) {
+            (Some(t), _) => t,
+            (None, Arch::Gemma3) => include_str!("../../templates/gemma3.jinja"),
+            (None, _) => return Ok(crate::chat::ChatTemplate::chatml()),
+        };
+        Ok(crate::chat::ChatTemplate::new(source, &bos, &eos)?)
+    }
+
     /// Non-layer tensors by role.
     pub(crate) fn global_tensors(&self) -> Vec<TensorSpec> {
         let hp = &self.hparams;

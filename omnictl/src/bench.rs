@@ -1,0 +1,225 @@
+//! `omnictl bench`: prefill and decode speed, measured the way llama.cpp's
+//! `llama-bench` measures them (pp: one batch of N tokens from an empty
+//! cache; tg: N single-token steps from an empty cache), median of several
+//! runs after a warm-up. With `--llama-bench PATH` it runs llama.cpp's tool
+//! on the same file and threads in the same invocation and prints the ratio.
+
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use omni_engine::{Batch, Engine, StageConfig};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// GGUF path or known model name.
+    #[arg(long, short)]
+    pub model: String,
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Prompt sizes to prefill.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pub pp: Vec<usize>,
+    /// Tokens to decode one by one.
+    #[arg(long, default_value_t = 64)]
+    pub tg: usize,
+    /// Timed runs per test (after one warm-up); the median is reported.
+    #[arg(long, short, default_value_t = 5)]
+    pub runs: usize,
+    /// llama.cpp's `llama-bench` binary, to run beside us on the same file.
+    #[arg(long)]
+    pub llama_bench: Option<std::path::PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Row {
+    test: String,
+    ours: f64,
+    reference: Option<f64>,
+}
+
+pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    let path = crate::resolve_model(&a.model)?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let max_pp = a.pp.iter().copied().max().unwrap_or(0);
+    let cfg = StageConfig {
+        n_threads: threads,
+        n_ubatch: max_pp.max(1),
+        kv: omni_engine::kv::KvConfig {
+            n_ctx: (max_pp.max(a.tg) + 1).next_multiple_of(256),
+            n_seq: 1,
+        },
+        ..StageConfig::default()
+    };
+    let mut engine = Engine::load(&path, None, cfg)?;
+    let hp = engine.model.hparams.clone();
+    let features = omni_engine::cpu_features().join(" ");
+    eprintln!(
+        "omnictl bench: {} ({}), {} threads",
+        path.display(),
+        hp.arch.name(),
+        threads
+    );
+    eprintln!("ggml CPU features: {features}");
+    let w = engine.stages()[0].weights();
+    eprintln!(
+        "weights: {} MB mapped, {} MB repacked",
+        w.mapped_bytes >> 20,
+        w.repacked_bytes >> 20
+    );
+
+    // Deterministic pseudo-random tokens, as llama-bench uses random ids.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next_token = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % hp.n_vocab as u64) as u32
+    };
+    let mut rows = Vec::new();
+    for &n in &a.pp {
+        let mut times = Vec::new();
+        for r in 0..=a.runs {
+            let mut b = Batch::default();
+            for p in 0..n {
+                b.push(next_token(), p as i32, 0, p + 1 == n);
+            }
+            let t = Instant::now();
+            engine.step(&b)?;
+            let dt = t.elapsed().as_secs_f64();
+            engine.remove_seq(0);
+            if r > 0 {
+                times.push(n as f64 / dt);
+            }
+        }
+        rows.push(Row {
+            test: format!("pp{n}"),
+            ours: median(&mut times),
+            reference: None,
+        });
+    }
+    if a.tg > 0 {
+        let mut times = Vec::new();
+        for r in 0..=a.runs {
+            let t = Instant::now();
+            for p in 0..a.tg {
+                let mut b = Batch::default();
+                b.push(next_token(), p as i32, 0, true);
+                engine.step(&b)?;
+            }
+            let dt = t.elapsed().as_secs_f64();
+            engine.remove_seq(0);
+            if r > 0 {
+                times.push(a.tg as f64 / dt);
+            }
+        }
+        rows.push(Row {
+            test: format!("tg{}", a.tg),
+            ours: median(&mut times),
+            reference: None,
+        });
+    }
+    if let Some(lb) = &a.llama_bench {
+        let reference = llama_bench(lb, &path, threads, &a)?;
+        for row in &mut rows {
+            row.reference = reference
+                .iter()
+                .find(|(t, _)| *t == row.test)
+                .map(|(_, v)| *v);
+        }
+    }
+    if a.json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|r| serde_json::json!({"test": r.test, "omni_tok_s": r.ours, "llama_cpp_tok_s": r.reference, "ratio": r.reference.map(|x| r.ours / x)}))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({"model": path, "threads": threads, "cpu_features": features, "results": v})
+            )?
+        );
+    } else {
+        println!(
+            "{:<8} {:>14} {:>16} {:>8}",
+            "test", "omni tok/s", "llama.cpp tok/s", "ratio"
+        );
+        for r in &rows {
+            match r.reference {
+                Some(x) => println!(
+                    "{:<8} {:>14.2} {:>16.2} {:>7.2}x",
+                    r.test,
+                    r.ours,
+                    x,
+                    r.ours / x
+                ),
+                None => println!("{:<8} {:>14.2} {:>16} {:>8}", r.test, r.ours, "-", "-"),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Runs llama.cpp's `llama-bench` with the same tests (flash attention on,
+/// as our graphs use it) and returns `(test, avg tok/s)`.
+fn llama_bench(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    threads: usize,
+    a: &BenchArgs,
+) -> anyhow::Result<Vec<(String, f64)>> {
+    let pp: Vec<String> = a.pp.iter().map(|n| n.to_string()).collect();
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-p",
+            &pp.join(","),
+            "-n",
+            &a.tg.to_string(),
+            "-r",
+            &a.runs.to_string(),
+            "-fa",
+            "1",
+            "-o",
+            "json",
+        ])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llama-bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
+    let mut res = Vec::new();
+    for t in v.as_array().into_iter().flatten() {
+        let (np, ng) = (
+            t["n_prompt"].as_u64().unwrap_or(0),
+            t["n_gen"].as_u64().unwrap_or(0),
+        );
+        let name = if ng > 0 {
+            format!("tg{ng}")
+        } else {
+            format!("pp{np}")
+        };
+        res.push((name, t["avg_ts"].as_f64().unwrap_or(0.0)));
+    }
+    Ok(res)
+}

@@ -1,0 +1,184 @@
+//! `omnictl generate`: one process, no network. Loads the model (optionally
+//! split into layer ranges chained in this process), then prints the text
+//! as it is generated, or a JSON report with `--json`.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::Args;
+use omni_engine::chat::ChatMessage;
+use omni_engine::sampling::SamplingParams;
+use omni_engine::{Engine, GenerateOptions, StageConfig};
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// GGUF path, or a known model name (gemma3-270m, qwen2.5-coder-0.5b), fetched if missing.
+    #[arg(long, short)]
+    pub model: String,
+    /// Prompt text.
+    #[arg(
+        long,
+        short,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    pub prompt: Option<String>,
+    /// Prompt as token ids, comma-separated (used as given: no BOS added).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep going past end-of-generation tokens (as llama.cpp's references do).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Optional system message for --chat.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Context length (prompt + generated tokens).
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// Run as chained layer ranges of these sizes, e.g. `--split 9,15`.
+    #[arg(long, value_delimiter = ',')]
+    pub split: Option<Vec<u32>>,
+    /// Report per-token alternatives (with --json).
+    #[arg(long, default_value_t = 0)]
+    pub top_logprobs: usize,
+    /// Print a JSON report: prompt ids, generated ids, text, timings.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    let path = crate::resolve_model(&a.model)?;
+    let mut cfg = StageConfig::default();
+    cfg.kv.n_ctx = a.ctx;
+    if let Some(t) = a.threads {
+        cfg.n_threads = t;
+    }
+    let model = omni_engine::ModelFile::open(&path)?;
+    cfg.kv.n_ctx = cfg.kv.n_ctx.min(model.hparams.n_ctx_train as usize);
+    eprintln!(
+        "omnictl: {} ({}, {} layers, {} MB) from {}",
+        model.hparams.arch.name(),
+        model.gguf.opt_str("general.name")?.unwrap_or("unnamed"),
+        model.hparams.n_layer,
+        model.gguf.file_size() >> 20,
+        path.display()
+    );
+    let t0 = std::time::Instant::now();
+    let mut engine =
+        Engine::load_with_progress(&path, a.split.as_deref(), cfg, &mut |stage, done, total| {
+            if done == total || done % 32 == 0 {
+                eprint!("\romnictl: stage {stage}: preparing weights {done}/{total}");
+                if done == total {
+                    eprintln!();
+                }
+            }
+        })?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    eprintln!(
+        "omnictl: loaded {} stage(s) in {:.0} ms",
+        engine.stages().len(),
+        load_ms
+    );
+
+    let prompt_ids = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(text)) if a.chat => {
+            let template = engine.model.chat_template()?;
+            let mut msgs = Vec::new();
+            if let Some(s) = &a.system {
+                msgs.push(ChatMessage {
+                    role: "system".into(),
+                    content: s.clone(),
+                });
+            }
+            msgs.push(ChatMessage {
+                role: "user".into(),
+                content: text.clone(),
+            });
+            let rendered = template.render(&msgs, true)?;
+            engine.tokenize_prompt(&rendered, true)?
+        }
+        (None, Some(text)) => engine.tokenize_prompt(text, false)?,
+        (None, None) => unreachable!("clap requires one of them"),
+    };
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repeat_penalty: a.repeat_penalty,
+            seed: a.seed,
+            ..SamplingParams::default()
+        },
+        stop_at_eog: !a.ignore_eos,
+        stop: a.stop.clone(),
+        top_logprobs: a.top_logprobs,
+    };
+    let json = a.json;
+    let mut stdout = std::io::stdout();
+    let gen = engine
+        .generate(&prompt_ids, &opts, &mut |text| {
+            if !json {
+                print!("{text}");
+                stdout.flush().ok();
+            }
+        })
+        .context("generation failed")?;
+    if json {
+        let report = serde_json::json!({
+            "model": path,
+            "prompt_ids": gen.prompt_ids,
+            "generated_ids": gen.ids,
+            "text": gen.text,
+            "finish_reason": gen.finish_reason,
+            "steps": if a.top_logprobs > 0 { serde_json::to_value(&gen.steps)? } else { serde_json::Value::Null },
+            "timings": {
+                "load_ms": load_ms,
+                "prompt_tokens": gen.timings.prompt_tokens,
+                "prompt_ms": gen.timings.prompt_ms,
+                "prompt_tok_s": gen.timings.prompt_tok_s(),
+                "gen_tokens": gen.timings.gen_tokens,
+                "gen_ms": gen.timings.gen_ms,
+                "gen_tok_s": gen.timings.gen_tok_s(),
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!();
+        eprintln!(
+            "omnictl: prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.1} tok/s ({:?})",
+            gen.timings.prompt_tokens,
+            gen.timings.prompt_tok_s(),
+            gen.timings.gen_tokens,
+            gen.timings.gen_tok_s(),
+            gen.finish_reason
+        );
+    }
+    Ok(())
+}
