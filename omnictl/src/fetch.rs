@@ -61,6 +61,15 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
     },
 ];
 
+/// The known model names, for messages.
+pub fn known_names() -> String {
+    KNOWN_MODELS
+        .iter()
+        .map(|m| m.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// `$OMNI_MODELS_DIR`, else `~/.cache/omni/models`.
 pub fn models_dir() -> anyhow::Result<PathBuf> {
     if let Some(d) = std::env::var_os("OMNI_MODELS_DIR") {
@@ -75,16 +84,7 @@ pub fn fetch(name: &str) -> anyhow::Result<PathBuf> {
     let m = KNOWN_MODELS
         .iter()
         .find(|m| m.name == name)
-        .with_context(|| {
-            format!(
-                "unknown model '{name}'; known: {}",
-                KNOWN_MODELS
-                    .iter()
-                    .map(|m| m.name)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        })?;
+        .with_context(|| format!("unknown model '{name}'; known: {}", known_names()))?;
     let dir = models_dir()?;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let dest = dir.join(m.file);

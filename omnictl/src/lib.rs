@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-pub use fetch::{fetch, models_dir, KNOWN_MODELS};
+pub use fetch::{fetch, known_names, models_dir, KNOWN_MODELS};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -59,10 +59,6 @@ pub(crate) fn resolve_model(model: &str) -> anyhow::Result<PathBuf> {
     }
     anyhow::bail!(
         "model '{model}' is neither a file nor a known model name (known: {})",
-        KNOWN_MODELS
-            .iter()
-            .map(|m| m.name)
-            .collect::<Vec<_>>()
-            .join(", ")
+        fetch::known_names()
     )
 }
