@@ -191,12 +191,15 @@ impl Engine {
         gen.finish_reason = FinishReason::Length;
         for i in 0..opts.max_tokens {
             let id = sampler.sample(&logits, &history);
-            let top = if opts.top_logprobs > 0 {
-                top_logprobs(&logits, opts.top_logprobs)
+            // A full-vocabulary softmax per step: only when asked for.
+            let (logprob, top) = if opts.top_logprobs > 0 {
+                (
+                    Some(crate::sampling::logprob_of(&logits, id)),
+                    top_logprobs(&logits, opts.top_logprobs),
+                )
             } else {
-                Vec::new()
+                (None, Vec::new())
             };
-            let logprob = crate::sampling::logprob_of(&logits, id);
             gen.steps.push(Step { id, logprob, top });
             gen.ids.push(id);
             history.push(id);
@@ -269,7 +272,8 @@ pub enum FinishReason {
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Step {
     pub id: u32,
-    pub logprob: f32,
+    /// Log-probability of the chosen token (when logprobs were requested).
+    pub logprob: Option<f32>,
     pub top: Vec<(u32, f32)>,
 }
 

@@ -428,10 +428,9 @@ pub struct Stage {
     kv: KvCache,
     backend: CpuBackend,
     alloc: GraphAllocator,
-    // Reused scratch for inputs.
+    // Reused scratch for the masks.
     mask: Vec<u16>,
     mask_swa: Vec<u16>,
-    out: Vec<f32>,
 }
 
 impl Stage {
@@ -476,7 +475,6 @@ impl Stage {
             alloc,
             mask: Vec::new(),
             mask_swa: Vec::new(),
-            out: Vec::new(),
         };
         stage.reserve()?;
         Ok(stage)
@@ -628,7 +626,7 @@ impl Stage {
         batch: &Batch,
         input: Option<&Hidden>,
     ) -> Result<StageOutput, EngineError> {
-        let hp = self.model.hparams.clone();
+        let hp = &self.model.hparams;
         batch.validate(self.range.embed)?;
         let n = batch.len();
         if n > self.cfg.n_ubatch {
@@ -727,18 +725,19 @@ impl Stage {
             t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
         });
         self.backend.compute(&graph).map_err(EngineError::Ggml)?;
-        out.read_f32(&mut self.out);
+        let mut data = Vec::new();
+        out.read_f32(&mut data);
         Ok(if self.range.head {
             StageOutput::Logits(Logits {
                 n_vocab: hp.n_vocab as usize,
                 rows: out_rows,
-                data: self.out.clone(),
+                data,
             })
         } else {
             StageOutput::Hidden(Hidden {
                 n_tokens: n,
                 n_embd: hp.n_embd as usize,
-                data: self.out.clone(),
+                data,
             })
         })
     }
