@@ -1,1 +1,444 @@
-//! Coordinator: planner, scheduler, sequence log, admin and inference services. Filled by the cluster issue.
+//! Coordinator: plans which layers live on which worker, drives batches
+//! through the pipeline, and serves the inference gRPC service.
+//!
+//! Start-up, in order: open the model (refusing an unsupported architecture
+//! before anything else), listen, wait for the configured number of workers
+//! to register, plan (failing before any load if it does not fit), have every
+//! worker load its range, wire the pipeline (coordinator → stage 0 → … →
+//! last stage → coordinator), and only then report SERVING.
+
+pub mod metrics;
+pub mod plan;
+pub mod scheduler;
+mod service;
+
+use anyhow::Context;
+use metrics::Metrics;
+use omni_engine::chat::ChatTemplate;
+use omni_engine::model::ModelFile;
+use omni_engine::tokenizer::Tokenizer;
+use omni_proto::coordinator::v1::{inference_server, registry_server, InfoReply, StageInfo};
+use omni_proto::worker::v1::{
+    worker_client::WorkerClient, Endpoint, Inventory, LoadRequest, Transport, WireRequest,
+};
+use omni_transport::{Inbox, Outbox, TransportChoice};
+use plan::{PlanConfig, Split, WorkerSpec};
+use scheduler::{Event, Scheduler, SchedulerConfig};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Settings of the coordinator (flags, or `OMNI_*` variables).
+#[derive(Clone, Debug, clap::Args)]
+pub struct CoordinatorConfig {
+    /// The GGUF model every worker loads its range of.
+    #[arg(long, env = "OMNI_MODEL")]
+    pub model: PathBuf,
+    /// Where Inference, Registry and the results sink listen.
+    #[arg(
+        long,
+        env = "OMNI_COORDINATOR_LISTEN",
+        default_value = "127.0.0.1:7070"
+    )]
+    pub listen: String,
+    /// The address workers use to reach this coordinator, when it differs.
+    #[arg(long, env = "OMNI_COORDINATOR_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// How many workers to wait for before planning.
+    #[arg(long, env = "OMNI_WORKERS", default_value_t = 1)]
+    pub workers: usize,
+    /// Give up if not every worker registered within this many seconds.
+    #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 120.0)]
+    pub register_timeout: f64,
+    /// Context length of one sequence.
+    #[arg(long, env = "OMNI_CTX", default_value_t = 4096)]
+    pub ctx: usize,
+    /// Sequences resident at once (KV cache slots).
+    #[arg(long, env = "OMNI_SEQS", default_value_t = 8)]
+    pub seqs: usize,
+    /// Most tokens in one step.
+    #[arg(long, env = "OMNI_UBATCH", default_value_t = 512)]
+    pub ubatch: usize,
+    /// Memory left unplanned on every worker (fraction).
+    #[arg(long, env = "OMNI_HEADROOM", default_value_t = 0.10)]
+    pub headroom: f64,
+    /// Manual split by proportion, like llama.cpp's --tensor-split (e.g. 3,1).
+    #[arg(
+        long,
+        env = "OMNI_SPLIT",
+        value_delimiter = ',',
+        conflicts_with = "layers"
+    )]
+    pub split: Option<Vec<f64>>,
+    /// Manual split by layer counts per stage (e.g. 12,12).
+    #[arg(long, env = "OMNI_LAYERS", value_delimiter = ',')]
+    pub layers: Option<Vec<u32>>,
+    /// auto (shared memory where both ends share a host), shm or grpc.
+    #[arg(long, env = "OMNI_TRANSPORT", default_value = "auto")]
+    pub transport: TransportChoice,
+    /// Send hidden states as f16 (half the bytes; results change slightly).
+    #[arg(long, env = "OMNI_F16_HIDDEN")]
+    pub f16_hidden: bool,
+    /// Fail requests when a step gets no answer for this many seconds.
+    #[arg(long, env = "OMNI_STEP_TIMEOUT", default_value_t = 120.0)]
+    pub step_timeout: f64,
+    /// How often each worker's health is checked (seconds).
+    #[arg(long, env = "OMNI_HEALTH_INTERVAL", default_value_t = 1.0)]
+    pub health_interval: f64,
+    /// Where the results ring lives.
+    #[arg(long, env = "OMNI_SHM_DIR", default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    /// Prometheus metrics (GET /metrics) listen address.
+    #[arg(long, env = "OMNI_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+}
+
+/// A worker that registered.
+#[derive(Clone, Debug)]
+pub struct Registered {
+    pub id: String,
+    pub addr: String,
+    pub inventory: Inventory,
+}
+
+/// What the services share.
+pub(crate) struct Shared {
+    pub cfg: CoordinatorConfig,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub registrations: mpsc::UnboundedSender<Registered>,
+    /// Accepting registrations until the plan is made.
+    pub registering: Mutex<bool>,
+    pub events: Mutex<Option<crossbeam_channel::Sender<Event>>>,
+    pub info: Mutex<InfoReply>,
+    pub next_seq: std::sync::atomic::AtomicU64,
+}
+
+/// Runs the coordinator until it is stopped or its start-up fails.
+pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
+    if cfg.workers == 0 {
+        anyhow::bail!("--workers must be at least 1");
+    }
+    let model = ModelFile::open(&cfg.model)
+        .with_context(|| format!("cannot serve {}", cfg.model.display()))?;
+    let tokenizer = Arc::new(Tokenizer::load(&cfg.model)?);
+    let template = match model.chat_template() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("no usable chat template: {e}");
+            None
+        }
+    };
+    let n_ctx_train = model.hparams.n_ctx_train as usize;
+    if cfg.ctx > n_ctx_train {
+        anyhow::bail!(
+            "--ctx {} exceeds the model's trained context of {n_ctx_train} tokens",
+            cfg.ctx
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let local = listener.local_addr()?;
+    let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
+    tracing::info!(
+        "coordinator listening on {local}; model {} ({}, {} layers); waiting for {} worker(s)",
+        cfg.model.display(),
+        model.hparams.arch.name(),
+        model.hparams.n_layer,
+        cfg.workers
+    );
+
+    let mut inbox = Inbox::new();
+    let name = format!("omni-coordinator-{}", std::process::id());
+    if let Err(e) = inbox.add_ring(&cfg.shm_dir, &name, 4 << 20) {
+        tracing::warn!("no shared-memory ring for results ({e}); results come over gRPC");
+    }
+    let host_id = omni_transport::host_id();
+    let (reg_tx, mut reg_rx) = mpsc::unbounded_channel();
+    let metrics = Arc::new(Metrics::new());
+    let shared = Arc::new(Shared {
+        cfg: cfg.clone(),
+        tokenizer: tokenizer.clone(),
+        template,
+        registrations: reg_tx,
+        registering: Mutex::new(true),
+        events: Mutex::new(None),
+        info: Mutex::new(InfoReply {
+            model_path: cfg.model.display().to_string(),
+            architecture: model.hparams.arch.name().to_string(),
+            n_ctx: cfg.ctx as u32,
+            n_vocab: tokenizer.n_vocab() as u32,
+            n_seq: cfg.seqs as u32,
+            state: "waiting for workers".into(),
+            ..Default::default()
+        }),
+        next_seq: 1.into(),
+    });
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_not_serving::<inference_server::InferenceServer<service::InferenceSvc>>()
+        .await;
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(registry_server::RegistryServer::new(service::RegistrySvc(
+            shared.clone(),
+        )))
+        .add_service(inference_server::InferenceServer::new(
+            service::InferenceSvc(shared.clone()),
+        ))
+        .add_service(inbox.sink_service())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown_signal(),
+        );
+    let server = tokio::spawn(server);
+    if let Some(addr) = &cfg.metrics_listen {
+        let m = metrics.clone();
+        omni_transport::metrics::serve(addr, Arc::new(move || m.render())).await?;
+    }
+
+    // 1. Workers.
+    let deadline = Instant::now() + Duration::from_secs_f64(cfg.register_timeout);
+    let mut workers: Vec<Registered> = Vec::new();
+    while workers.len() < cfg.workers {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, reg_rx.recv()).await {
+            Ok(Some(w)) => {
+                tracing::info!(
+                    "worker {} registered from {} ({}, {:.2} GiB free)",
+                    w.id,
+                    w.addr,
+                    w.inventory.device,
+                    w.inventory.memory_free as f64 / (1u64 << 30) as f64
+                );
+                workers.push(w);
+            }
+            _ => {
+                let names: Vec<String> = workers
+                    .iter()
+                    .map(|w| format!("{} at {}", w.id, w.addr))
+                    .collect();
+                anyhow::bail!(
+                    "only {} of {} workers registered within {:.0}s{}",
+                    workers.len(),
+                    cfg.workers,
+                    cfg.register_timeout,
+                    if names.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (registered: {})", names.join(", "))
+                    }
+                );
+            }
+        }
+    }
+    *shared.registering.lock().unwrap() = false;
+    workers.sort_by(|a, b| a.id.cmp(&b.id));
+
+    // 2. Plan, before anything is loaded.
+    let specs: Vec<WorkerSpec> = workers
+        .iter()
+        .map(|w| WorkerSpec {
+            id: w.id.clone(),
+            device: w.inventory.device.clone(),
+            free_bytes: w.inventory.memory_free,
+            total_bytes: w.inventory.memory_total,
+        })
+        .collect();
+    let pcfg = PlanConfig {
+        n_ctx: cfg.ctx,
+        n_seq: cfg.seqs,
+        n_ubatch: cfg.ubatch,
+        headroom: cfg.headroom,
+        split: match (&cfg.split, &cfg.layers) {
+            (Some(p), _) => Some(Split::Proportions(p.clone())),
+            (None, Some(l)) => Some(Split::Layers(l.clone())),
+            (None, None) => None,
+        },
+    };
+    let plan = plan::plan(&model, &specs, &pcfg).map_err(|e| anyhow::anyhow!("{e}"))?;
+    tracing::info!("plan:\n{plan}");
+    shared.info.lock().unwrap().state = "loading".into();
+
+    // 3. Load every stage (in parallel), then wire the pipeline.
+    let mut loads = Vec::new();
+    for (i, (st, w)) in plan.stages.iter().zip(&workers).enumerate() {
+        let req = LoadRequest {
+            model_path: cfg.model.display().to_string(),
+            embed: st.range.embed,
+            layer_start: st.range.layers.start,
+            layer_end: st.range.layers.end,
+            head: st.range.head,
+            n_ctx: cfg.ctx as u32,
+            n_seq: cfg.seqs as u32,
+            n_ubatch: cfg.ubatch as u32,
+            f16_hidden: cfg.f16_hidden,
+            stage: i as u32,
+        };
+        let (id, addr) = (w.id.clone(), w.addr.clone());
+        loads.push(tokio::spawn(async move {
+            let mut c = worker_client(&addr).await?;
+            let r = c.load(req).await.map_err(|s| {
+                anyhow::anyhow!(
+                    "worker {id} ({addr}) could not load its layers: {}",
+                    s.message()
+                )
+            })?;
+            anyhow::Ok(r.into_inner())
+        }));
+    }
+    let mut replies = Vec::new();
+    for l in loads {
+        replies.push(l.await??);
+    }
+    let results_ep = inbox.endpoint(&advertise, &host_id);
+    let transport = match cfg.transport {
+        TransportChoice::Auto => Transport::Auto,
+        TransportChoice::Shm => Transport::Shm,
+        TransportChoice::Grpc => Transport::Grpc,
+    };
+    let mut stages = Vec::new();
+    for (i, w) in workers.iter().enumerate() {
+        let next: Endpoint = match replies.get(i + 1) {
+            Some(r) => r.inbox.clone().unwrap_or_default(),
+            None => results_ep.clone(),
+        };
+        let mut c = worker_client(&w.addr).await?;
+        let r = c
+            .wire(WireRequest {
+                next: Some(next),
+                transport: transport as i32,
+            })
+            .await
+            .map_err(|s| {
+                anyhow::anyhow!(
+                    "worker {} could not connect to the next stage: {}",
+                    w.id,
+                    s.message()
+                )
+            })?
+            .into_inner();
+        let st = &plan.stages[i];
+        let lr = &replies[i];
+        tracing::info!(
+            "stage {i}: worker {} runs {} ({} weights, {} KV, {} compute), output over {}",
+            w.id,
+            st.range,
+            omni_engine::fmt_bytes(lr.weight_bytes),
+            omni_engine::fmt_bytes(lr.kv_bytes),
+            omni_engine::fmt_bytes(lr.compute_bytes),
+            r.transport
+        );
+        stages.push(StageInfo {
+            worker_id: w.id.clone(),
+            device: w.inventory.device.clone(),
+            range: st.range.to_string(),
+            transport: r.transport,
+            weight_bytes: lr.weight_bytes,
+            kv_bytes: lr.kv_bytes,
+            compute_bytes: lr.compute_bytes,
+        });
+    }
+    let first = replies[0].inbox.clone().unwrap_or_default();
+    let outbox = Outbox::connect(&first, cfg.transport)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach the first stage: {e}"))?;
+    tracing::info!("steps go to stage 0 over {}", outbox.kind());
+
+    // 4. Serve.
+    let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
+    *shared.events.lock().unwrap() = Some(ev_tx.clone());
+    let sched = Scheduler::new(
+        SchedulerConfig {
+            n_ctx: cfg.ctx,
+            n_seq: cfg.seqs,
+            n_ubatch: cfg.ubatch,
+            n_groups: workers.len(),
+            step_timeout: Duration::from_secs_f64(cfg.step_timeout),
+        },
+        tokenizer,
+        outbox,
+        metrics,
+    );
+    let frames = inbox.receiver().clone();
+    std::thread::Builder::new()
+        .name("scheduler".into())
+        .spawn(move || sched.run(ev_rx, frames))?;
+    for w in &workers {
+        tokio::spawn(watch_worker(
+            w.clone(),
+            Duration::from_secs_f64(cfg.health_interval),
+            ev_tx.clone(),
+        ));
+    }
+    {
+        let mut info = shared.info.lock().unwrap();
+        info.stages = stages;
+        info.ready = true;
+        info.state = "serving".into();
+    }
+    health_reporter
+        .set_serving::<inference_server::InferenceServer<service::InferenceSvc>>()
+        .await;
+    tracing::info!("ready: serving Inference on {local}");
+    server.await??;
+    drop(inbox);
+    tracing::info!("coordinator stopped");
+    Ok(())
+}
+
+async fn worker_client(addr: &str) -> anyhow::Result<WorkerClient<tonic::transport::Channel>> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach worker at {addr}"))?;
+    Ok(WorkerClient::new(ch))
+}
+
+/// Checks a worker's gRPC health every `interval`; two failures in a row
+/// (or a refused connection) report it lost.
+async fn watch_worker(w: Registered, interval: Duration, events: crossbeam_channel::Sender<Event>) {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let timeout = interval.max(Duration::from_millis(500)) * 2;
+    let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{}", w.addr)) else {
+        return;
+    };
+    let mut client = HealthClient::new(ep.connect_timeout(timeout).connect_lazy());
+    let mut misses = 0;
+    loop {
+        tokio::time::sleep(interval).await;
+        let check = client.check(HealthCheckRequest {
+            service: String::new(),
+        });
+        let why = match tokio::time::timeout(timeout, check).await {
+            Ok(Ok(_)) => {
+                misses = 0;
+                continue;
+            }
+            Ok(Err(s)) => s.message().to_string(),
+            Err(_) => format!("no health answer within {:.1}s", timeout.as_secs_f64()),
+        };
+        misses += 1;
+        if misses >= 2 {
+            let _ = events.send(Event::WorkerLost {
+                worker: format!("{} ({})", w.id, w.addr),
+                why,
+            });
+            return;
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -18,12 +18,15 @@ pub mod model;
 pub mod sampling;
 pub mod stage;
 pub mod tokenizer;
+pub mod units;
 
 pub use error::EngineError;
 pub use generate::{Engine, GenerateOptions, Generation};
+pub use kv::KvConfig;
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
 pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput};
 pub use tokenizer::{StreamDecoder, Tokenizer};
+pub use units::{fmt_bytes, parse_size};
 
 /// The CPU features the linked ggml uses on this machine (for `omnictl bench`).
 pub fn cpu_features() -> Vec<&'static str> {

@@ -13,8 +13,11 @@ use omni_engine::{Engine, GenerateOptions, StageConfig};
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     /// GGUF path, or a known model name (gemma3-270m, qwen2.5-coder-0.5b), fetched if missing.
-    #[arg(long, short)]
-    pub model: String,
+    #[arg(long, short, required_unless_present = "coordinator")]
+    pub model: Option<String>,
+    /// Run through a cluster: the coordinator's address (see `omnictl up`).
+    #[arg(long, conflicts_with_all = ["split", "threads", "ctx"])]
+    pub coordinator: Option<String>,
     /// Prompt text.
     #[arg(
         long,
@@ -71,7 +74,10 @@ pub struct GenerateArgs {
 }
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
-    let path = crate::resolve_model(&a.model)?;
+    if let Some(addr) = &a.coordinator {
+        return crate::remote::generate(addr, &a);
+    }
+    let path = crate::resolve_model(a.model.as_deref().expect("clap requires --model"))?;
     let mut cfg = StageConfig::default();
     cfg.kv.n_ctx = a.ctx;
     if let Some(t) = a.threads {

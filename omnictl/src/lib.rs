@@ -1,10 +1,14 @@
-//! omnictl: the admin console and local launcher. This verbs run
-//! the engine in one process: `fetch` a test model, `generate` text, and
-//! `bench` prefill/decode speed.
+//! omnictl: the admin console and local launcher. `fetch` a test model,
+//! `generate` text (in this process, or through a cluster with
+//! `--coordinator`), `bench` prefill/decode speed, `plan` a split without
+//! loading anything, and `up` a local cluster.
 
 mod bench;
 mod fetch;
 mod generate;
+mod plan;
+mod remote;
+mod up;
 
 use std::path::PathBuf;
 
@@ -30,10 +34,14 @@ pub enum Command {
         /// One of: gemma3-270m, qwen2.5-coder-0.5b.
         name: String,
     },
-    /// Generate text from a GGUF in this process (no cluster, no network).
+    /// Generate text: from a GGUF in this process, or through a cluster (--coordinator).
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode speed (tokens per second).
     Bench(bench::BenchArgs),
+    /// Show how a model would be split across devices, and why (nothing is loaded).
+    Plan(plan::PlanArgs),
+    /// Start a local cluster (a coordinator and N workers) and supervise it.
+    Up(up::UpArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -45,6 +53,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Plan(args) => plan::run(&args),
+        Command::Up(args) => up::run(args),
     }
 }
 

@@ -1,1 +1,14 @@
-//! gRPC definitions (`omni.worker.v1`, `omni.coordinator.v1`, `omni.admin.v1`). Filled by the cluster issue.
+//! omni's wire: the gRPC services and messages of `omni.worker.v1` and
+//! `omni.coordinator.v1`, generated from `proto/` by `build.rs`.
+
+pub mod worker {
+    pub mod v1 {
+        tonic::include_proto!("omni.worker.v1");
+    }
+}
+
+pub mod coordinator {
+    pub mod v1 {
+        tonic::include_proto!("omni.coordinator.v1");
+    }
+}

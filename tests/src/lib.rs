@@ -1,1 +1,260 @@
-//! End-to-end tests live in `tests/tests/`; this crate only hosts them.
+//! The harness for omni's end-to-end tests (in `tests/tests/`): it starts the
+//! real binaries from the build directory on free ports, waits for them with
+//! deadlines, talks to them over gRPC, and prints their logs when a test fails.
+
+use omni_proto::coordinator::v1::{
+    inference_client::InferenceClient, GenerateEvent, GenerateRequest, InfoReply, InfoRequest,
+};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
+
+/// Fixture and model locations, shared with the engine's tests.
+#[path = "../../engine/tests/common/mod.rs"]
+pub mod fixtures;
+
+/// A binary of this workspace, from the same build as the running test.
+pub fn target_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first (cargo build --release --workspace)",
+        p.display()
+    );
+    p
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding port 0")
+        .port()
+}
+
+/// One child process with its output in a log file.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, mut cmd: Command, dir: &Path) -> Proc {
+        let log = dir.join(format!("{name}.log"));
+        let f = std::fs::File::create(&log).expect("log file");
+        cmd.stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .stdin(Stdio::null());
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Proc {
+            name: name.to_string(),
+            child,
+            log,
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for the process to exit, at most `timeout`; returns whether it
+    /// exited successfully, or None if it is still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<bool> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s.success());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How to start a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterSpec {
+    pub stages: usize,
+    pub transport: &'static str,
+    pub threads: usize,
+    pub ctx: usize,
+    pub seqs: usize,
+    /// Extra coordinator flags.
+    pub coordinator_args: Vec<String>,
+    /// Extra flags per worker (index = stage).
+    pub worker_args: Vec<Vec<String>>,
+    /// Workers actually started (defaults to `stages`).
+    pub start_workers: Option<usize>,
+}
+
+impl ClusterSpec {
+    pub fn new(stages: usize, transport: &'static str) -> ClusterSpec {
+        ClusterSpec {
+            stages,
+            transport,
+            threads: 1,
+            ctx: 1024,
+            seqs: 8,
+            coordinator_args: Vec::new(),
+            worker_args: Vec::new(),
+            start_workers: None,
+        }
+    }
+}
+
+/// A coordinator and its workers, all real processes.
+pub struct Cluster {
+    pub addr: String,
+    pub coordinator: Proc,
+    pub workers: Vec<Proc>,
+    pub rt: tokio::runtime::Runtime,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Starts the processes; does not wait for readiness.
+    pub fn spawn(model: &Path, spec: &ClusterSpec) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut c = Command::new(target_bin("omni-coordinator"));
+        c.arg("--model")
+            .arg(model)
+            .args(["--listen", &addr])
+            .args(["--workers", &spec.stages.to_string()])
+            .args(["--transport", spec.transport])
+            .args(["--ctx", &spec.ctx.to_string()])
+            .args(["--seqs", &spec.seqs.to_string()])
+            .args(["--health-interval", "0.5"])
+            .args(&spec.coordinator_args)
+            .env("OMNI_LOG", "info");
+        let coordinator = Proc::spawn("coordinator", c, dir.path());
+        let mut workers = Vec::new();
+        for i in 0..spec.start_workers.unwrap_or(spec.stages) {
+            let mut w = Command::new(target_bin("omni-gpu-worker"));
+            w.args(["--coordinator", &addr])
+                .args(["--id", &format!("w{i}")])
+                .args(["--threads", &spec.threads.to_string()])
+                .args(["--register-timeout", "30"])
+                .args(spec.worker_args.get(i).cloned().unwrap_or_default())
+                .env("OMNI_LOG", "info");
+            workers.push(Proc::spawn(&format!("w{i}"), w, dir.path()));
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        Cluster {
+            addr,
+            coordinator,
+            workers,
+            rt,
+            _dir: dir,
+        }
+    }
+
+    /// Starts a cluster and waits until it serves (panics with the logs
+    /// after 120 s).
+    pub fn start(model: &Path, spec: &ClusterSpec) -> Cluster {
+        let mut c = Cluster::spawn(model, spec);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(info) = c.info() {
+                if info.ready {
+                    return c;
+                }
+            }
+            if let Ok(Some(s)) = c.coordinator.child.try_wait() {
+                panic!("the coordinator exited ({s}) before serving\n{}", c.logs());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster was not ready within 120 s\n{}",
+                c.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn client(&self) -> Result<InferenceClient<tonic::transport::Channel>, String> {
+        let addr = format!("http://{}", self.addr);
+        self.rt.block_on(async {
+            let ch = tonic::transport::Endpoint::from_shared(addr)
+                .map_err(|e| e.to_string())?
+                .connect_timeout(Duration::from_secs(2))
+                .connect()
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(InferenceClient::new(ch))
+        })
+    }
+
+    pub fn info(&self) -> Result<InfoReply, String> {
+        let mut c = self.client()?;
+        self.rt.block_on(async {
+            c.info(InfoRequest {})
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| s.message().to_string())
+        })
+    }
+
+    /// Runs one request to the end; the events, or the error status.
+    pub fn generate(&self, req: GenerateRequest) -> Result<Vec<GenerateEvent>, tonic::Status> {
+        let mut c = self.client().map_err(tonic::Status::unavailable)?;
+        self.rt.block_on(collect(&mut c, req))
+    }
+
+    /// Every process's log, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut s = String::new();
+        for p in std::iter::once(&self.coordinator).chain(&self.workers) {
+            s.push_str(&format!("----- {} -----\n{}\n", p.name, p.log_text()));
+        }
+        s
+    }
+}
+
+/// Reads a Generate stream to its end (with a 5-minute deadline).
+pub async fn collect(
+    c: &mut InferenceClient<tonic::transport::Channel>,
+    req: GenerateRequest,
+) -> Result<Vec<GenerateEvent>, tonic::Status> {
+    let run = async {
+        let mut stream = c.generate(req).await?.into_inner();
+        let mut out = Vec::new();
+        while let Some(ev) = stream.next().await {
+            out.push(ev?);
+        }
+        Ok(out)
+    };
+    tokio::time::timeout(Duration::from_secs(300), run)
+        .await
+        .map_err(|_| tonic::Status::deadline_exceeded("no end of stream within 300 s"))?
+}
+
+/// The generated ids of a finished stream.
+pub fn ids(events: &[GenerateEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .flat_map(|e| e.tokens.iter().map(|t| t.id))
+        .collect()
+}

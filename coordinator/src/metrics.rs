@@ -1,0 +1,113 @@
+//! The coordinator's Prometheus metrics: tokens in and out, steps, queue
+//! depth, active sequences, time to first token, and each stage's step time
+//! as reported in the step headers.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabel {
+    pub stage: u32,
+}
+
+pub struct Metrics {
+    pub steps: Counter<u64, AtomicU64>,
+    pub tokens_in: Counter<u64, AtomicU64>,
+    pub tokens_out: Counter<u64, AtomicU64>,
+    pub queue_depth: Gauge<i64>,
+    pub active_sequences: Gauge<i64>,
+    pub step_latency_us: Gauge<i64>,
+    ttft: Histogram,
+    stage_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
+    pub registry: Registry,
+}
+
+fn ms_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.25, 2.0, 18))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let (steps, tokens_in, tokens_out) =
+            (Counter::default(), Counter::default(), Counter::default());
+        let (queue_depth, active_sequences, step_latency_us) =
+            (Gauge::default(), Gauge::default(), Gauge::default());
+        let ttft = ms_histogram();
+        let stage_ms = Family::<StageLabel, Histogram>::new_with_constructor(
+            ms_histogram as fn() -> Histogram,
+        );
+        let mut r = Registry::with_prefix("omni_coordinator");
+        r.register("steps", "Pipeline steps sent", steps.clone());
+        r.register(
+            "tokens_in",
+            "Tokens fed to the pipeline (prompt and generated)",
+            tokens_in.clone(),
+        );
+        r.register("tokens_out", "Tokens sampled", tokens_out.clone());
+        r.register(
+            "queue_depth",
+            "Requests waiting for a sequence slot",
+            queue_depth.clone(),
+        );
+        r.register(
+            "active_sequences",
+            "Sequences being generated",
+            active_sequences.clone(),
+        );
+        r.register(
+            "step_round_trip_us",
+            "Round trip of the last step through every stage, microseconds",
+            step_latency_us.clone(),
+        );
+        r.register(
+            "time_to_first_token_ms",
+            "Arrival to first token, milliseconds",
+            ttft.clone(),
+        );
+        r.register(
+            "stage_step_ms",
+            "Compute time of one step on each stage, milliseconds",
+            stage_ms.clone(),
+        );
+        Metrics {
+            steps,
+            tokens_in,
+            tokens_out,
+            queue_depth,
+            active_sequences,
+            step_latency_us,
+            ttft,
+            stage_ms,
+            registry: r,
+        }
+    }
+
+    pub fn record_stage(&self, stage: u32, ms: f64) {
+        self.stage_ms
+            .get_or_create(&StageLabel { stage })
+            .observe(ms);
+    }
+
+    pub fn record_ttft(&self, ms: f64) {
+        self.ttft.observe(ms);
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+            .expect("writing to a String");
+        s
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,483 @@
+//! The pipeline driver: continuous batching over the stages.
+//!
+//! One thread owns every sequence's token log and decides what each step
+//! carries. Sequences join at step boundaries; prompts are fed in chunks of
+//! at most `n_ubatch` tokens, decode tokens first; many sequences share a
+//! step. With several stages the active sequences are dealt into as many
+//! micro-batch groups, each with at most one step in flight, so every stage
+//! has work while the others compute. The last stage samples and returns
+//! only tokens; this thread turns them into text (stream-safe UTF-8, stop
+//! strings that never leak) and events for the client.
+//!
+//! Freeing a sequence: its slot goes into the `remove` list of the next step
+//! sent (every stage frees the slot's KV cells before that step), and only
+//! then can a new sequence take the slot. Frames travel one FIFO path, so a
+//! step sent before the removal can never see the new owner's tokens.
+
+use crate::metrics::Metrics;
+use crossbeam_channel::{select, Receiver};
+use omni_engine::sampling::{SamplingParams, StopMatcher};
+use omni_engine::tokenizer::{StreamDecoder, Tokenizer};
+use omni_proto::coordinator::v1::{Done, FinishReason, GenerateEvent, Token};
+use omni_proto::worker::v1::{SeqStart, SlotRequest, Step};
+use omni_transport::{Frame, Outbox};
+use prost::Message;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+use tonic::Status;
+
+/// A step that only carries removals belongs to no group.
+const CONTROL_GROUP: u32 = u32::MAX;
+
+pub type EventTx = UnboundedSender<Result<GenerateEvent, Status>>;
+
+/// A validated request, ready to run.
+pub struct NewSeq {
+    pub id: u64,
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub params: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+    pub events: EventTx,
+    pub arrived: Instant,
+}
+
+pub enum Event {
+    New(Box<NewSeq>),
+    /// The client went away.
+    Cancel(u64),
+    /// A worker failed its health check or its link broke.
+    WorkerLost {
+        worker: String,
+        why: String,
+    },
+}
+
+pub struct SchedulerConfig {
+    pub n_ctx: usize,
+    pub n_seq: usize,
+    pub n_ubatch: usize,
+    pub n_groups: usize,
+    /// A step with no answer for this long means the pipeline is stuck.
+    pub step_timeout: Duration,
+}
+
+struct Seq {
+    new: NewSeq,
+    slot: u32,
+    group: usize,
+    /// Prompt and generated tokens.
+    tokens: Vec<u32>,
+    /// How many of `tokens` have been sent to the pipeline.
+    fed: usize,
+    generated: usize,
+    started: bool,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    first_token: Option<Instant>,
+}
+
+struct InFlight {
+    id: u64,
+    sent: Instant,
+    /// The sequence each slot in the step belonged to when it was sent.
+    owners: HashMap<u32, u64>,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    tokenizer: Arc<Tokenizer>,
+    outbox: Outbox,
+    metrics: Arc<Metrics>,
+    seqs: HashMap<u64, Seq>,
+    /// Admission order, for fair step building.
+    order: Vec<u64>,
+    queue: VecDeque<NewSeq>,
+    free_slots: Vec<u32>,
+    pending_remove: Vec<u32>,
+    groups: Vec<Option<InFlight>>,
+    next_step: u64,
+    /// Once set the cluster serves nothing more (recovery is a later issue).
+    failed: Option<String>,
+}
+
+impl Scheduler {
+    pub fn new(
+        cfg: SchedulerConfig,
+        tokenizer: Arc<Tokenizer>,
+        outbox: Outbox,
+        metrics: Arc<Metrics>,
+    ) -> Scheduler {
+        Scheduler {
+            free_slots: (0..cfg.n_seq as u32).rev().collect(),
+            groups: (0..cfg.n_groups.max(1)).map(|_| None).collect(),
+            cfg,
+            tokenizer,
+            outbox,
+            metrics,
+            seqs: HashMap::new(),
+            order: Vec::new(),
+            queue: VecDeque::new(),
+            pending_remove: Vec::new(),
+            next_step: 1,
+            failed: None,
+        }
+    }
+
+    /// Runs until both channels close.
+    pub fn run(mut self, events: Receiver<Event>, frames: Receiver<Frame>) {
+        let tick = Duration::from_millis(200);
+        loop {
+            select! {
+                recv(events) -> ev => match ev {
+                    Ok(ev) => self.on_event(ev),
+                    Err(_) => return,
+                },
+                recv(frames) -> f => match f {
+                    Ok(f) => self.on_frame(f),
+                    Err(_) => return,
+                },
+                default(tick) => {}
+            }
+            // Take whatever else is already waiting before building steps,
+            // so a burst of requests shares the first step.
+            while let Ok(ev) = events.try_recv() {
+                self.on_event(ev);
+            }
+            self.check_timeouts();
+            self.schedule();
+            self.metrics.queue_depth.set(self.queue.len() as i64);
+            self.metrics.active_sequences.set(self.seqs.len() as i64);
+        }
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        match ev {
+            Event::New(s) => {
+                if let Some(why) = &self.failed {
+                    let _ = s.events.send(Err(Status::unavailable(format!(
+                        "the cluster cannot serve: {why}"
+                    ))));
+                    return;
+                }
+                self.queue.push_back(*s);
+            }
+            Event::Cancel(id) => {
+                if let Some(pos) = self.queue.iter().position(|s| s.id == id) {
+                    self.queue.remove(pos);
+                } else if self.seqs.contains_key(&id) {
+                    tracing::info!(seq = id, "client went away; freeing the sequence");
+                    self.drop_seq(id);
+                }
+            }
+            Event::WorkerLost { worker, why } => {
+                self.fail_all(format!("worker {worker} is gone: {why}"));
+            }
+        }
+    }
+
+    /// Stops everything in flight with `why` (the client gets the error).
+    fn fail_all(&mut self, why: String) {
+        if self.failed.is_none() {
+            tracing::error!("{why}; failing every request");
+        }
+        let status = Status::unavailable(format!("{why}; the request was stopped"));
+        for (_, s) in self.seqs.drain() {
+            let _ = s.new.events.send(Err(status.clone()));
+        }
+        for s in self.queue.drain(..) {
+            let _ = s.events.send(Err(status.clone()));
+        }
+        self.order.clear();
+        self.failed = Some(why);
+    }
+
+    fn drop_seq(&mut self, id: u64) {
+        if let Some(s) = self.seqs.remove(&id) {
+            self.order.retain(|&o| o != id);
+            self.pending_remove.push(s.slot);
+        }
+    }
+
+    fn check_timeouts(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        for (g, f) in self.groups.iter().enumerate() {
+            if let Some(f) = f {
+                if f.sent.elapsed() > self.cfg.step_timeout {
+                    let why = format!(
+                        "the pipeline has not answered step {} (group {g}) for {:.0}s",
+                        f.id,
+                        self.cfg.step_timeout.as_secs_f64()
+                    );
+                    self.fail_all(why);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Admits queued sequences into free slots, then sends a step for every
+    /// idle group that has work (or a control step if only removals wait).
+    fn schedule(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        while !self.queue.is_empty() && !self.free_slots.is_empty() {
+            let new = self.queue.pop_front().unwrap();
+            let slot = self.free_slots.pop().unwrap();
+            let group = (0..self.groups.len())
+                .min_by_key(|&g| self.seqs.values().filter(|s| s.group == g).count())
+                .unwrap_or(0);
+            let tokens = new.prompt.clone();
+            let stops = StopMatcher::new(new.stop.clone());
+            self.order.push(new.id);
+            self.seqs.insert(
+                new.id,
+                Seq {
+                    new,
+                    slot,
+                    group,
+                    tokens,
+                    fed: 0,
+                    generated: 0,
+                    started: false,
+                    decoder: StreamDecoder::default(),
+                    stops,
+                    first_token: None,
+                },
+            );
+        }
+        for g in 0..self.groups.len() {
+            if self.groups[g].is_none() {
+                if let Some(step) = self.build_step(g) {
+                    self.send(step, Some(g));
+                }
+            }
+        }
+        if !self.pending_remove.is_empty() {
+            let step = Step {
+                group: CONTROL_GROUP,
+                ..Default::default()
+            };
+            self.send(step, None);
+        }
+    }
+
+    fn build_step(&mut self, g: usize) -> Option<(Step, HashMap<u32, u64>)> {
+        let mut budget = self.cfg.n_ubatch;
+        let mut step = Step {
+            group: g as u32,
+            ..Default::default()
+        };
+        let mut owners = HashMap::new();
+        // Decode tokens first (one each), then prompt chunks.
+        let ids: Vec<u64> = self.order.clone();
+        for decode_pass in [true, false] {
+            for id in &ids {
+                let s = self.seqs.get_mut(id).unwrap();
+                let remaining = s.tokens.len() - s.fed;
+                let decoding = s.fed >= s.new.prompt.len();
+                if s.group != g || remaining == 0 || decoding != decode_pass || budget == 0 {
+                    continue;
+                }
+                let take = remaining.min(budget);
+                for p in s.fed..s.fed + take {
+                    step.tokens.push(s.tokens[p]);
+                    step.positions.push(p as i32);
+                    step.seqs.push(s.slot);
+                    step.logits.push(p + 1 == s.tokens.len());
+                }
+                if !s.started {
+                    s.started = true;
+                    step.starts.push(SeqStart {
+                        slot: s.slot,
+                        sampling_json: serde_json::to_vec(&s.new.params).expect("serializable"),
+                        top_logprobs: s.new.top_logprobs,
+                        logprobs: s.new.logprobs,
+                    });
+                    step.requests.push(SlotRequest {
+                        slot: s.slot,
+                        request_id: s.new.request_id.clone(),
+                    });
+                }
+                s.fed += take;
+                budget -= take;
+                owners.insert(s.slot, *id);
+            }
+        }
+        if step.tokens.is_empty() {
+            None
+        } else {
+            Some((step, owners))
+        }
+    }
+
+    fn send(&mut self, built: impl Into<Built>, group: Option<usize>) {
+        let Built(mut step, owners) = built.into();
+        step.id = self.next_step;
+        self.next_step += 1;
+        // Removals ride on whatever step goes first; the slots are free
+        // for reuse once it is on its way.
+        step.remove = std::mem::take(&mut self.pending_remove);
+        let freed = step.remove.clone();
+        let n_tokens = step.tokens.len() as u64;
+        let frame = Frame {
+            meta: step.encode_to_vec(),
+            payload: Vec::new(),
+        };
+        if let Err(e) = self.outbox.send(frame) {
+            self.fail_all(format!("cannot reach the first stage: {e}"));
+            return;
+        }
+        self.free_slots.extend(freed);
+        self.metrics.steps.inc();
+        self.metrics.tokens_in.inc_by(n_tokens);
+        if let Some(g) = group {
+            self.groups[g] = Some(InFlight {
+                id: step.id,
+                sent: Instant::now(),
+                owners,
+            });
+        }
+    }
+
+    fn on_frame(&mut self, frame: Frame) {
+        let step = match Step::decode(frame.meta.as_slice()) {
+            Ok(s) => s,
+            Err(e) => {
+                self.fail_all(format!("the last stage sent an undecodable frame: {e}"));
+                return;
+            }
+        };
+        if step.group == CONTROL_GROUP {
+            return;
+        }
+        let g = step.group as usize;
+        let Some(inflight) = self.groups.get_mut(g).and_then(|f| f.take()) else {
+            tracing::warn!(
+                "result for step {} of group {g}, which has none in flight",
+                step.id
+            );
+            return;
+        };
+        if inflight.id != step.id {
+            self.fail_all(format!(
+                "the pipeline returned step {} but step {} was expected",
+                step.id, inflight.id
+            ));
+            return;
+        }
+        for t in &step.times {
+            self.metrics.record_stage(t.stage, t.compute_ms as f64);
+        }
+        self.metrics
+            .step_latency_us
+            .set(inflight.sent.elapsed().as_micros() as i64);
+        if !step.error.is_empty() {
+            // The sequences of this step lost their KV state somewhere
+            // along the pipeline; stop them with the stage's message.
+            tracing::error!("step {} failed: {}", step.id, step.error);
+            for id in inflight.owners.values() {
+                if let Some(s) = self.seqs.get(id) {
+                    let _ = s.new.events.send(Err(Status::internal(step.error.clone())));
+                }
+                self.drop_seq(*id);
+            }
+            return;
+        }
+        for sampled in &step.sampled {
+            let Some(&id) = inflight.owners.get(&sampled.slot) else {
+                continue;
+            };
+            self.on_token(id, sampled);
+        }
+    }
+
+    fn on_token(&mut self, id: u64, sampled: &omni_proto::worker::v1::Sampled) {
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return; // cancelled while its step was in flight
+        };
+        let tok = sampled.token;
+        s.tokens.push(tok);
+        s.generated += 1;
+        self.metrics.tokens_out.inc();
+        let first = s.first_token.is_none();
+        if first {
+            s.first_token = Some(Instant::now());
+            self.metrics
+                .record_ttft(s.new.arrived.elapsed().as_secs_f64() * 1e3);
+        }
+        let mut ev = GenerateEvent {
+            prompt_ids: if first {
+                s.new.prompt.clone()
+            } else {
+                Vec::new()
+            },
+            tokens: vec![Token {
+                id: tok,
+                logprob: sampled.logprob,
+                top: sampled.top.clone(),
+            }],
+            ..Default::default()
+        };
+        let mut finish = None;
+        if self.tokenizer.is_eog(tok) && !s.new.ignore_eos {
+            finish = Some(FinishReason::Stop);
+        } else {
+            let text = s.decoder.push(&self.tokenizer.piece(tok));
+            let out = s.stops.push(&text);
+            ev.text = out.text;
+            if out.stopped {
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if finish.is_none() && (s.generated >= s.new.max_tokens || s.tokens.len() >= self.cfg.n_ctx)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        if let Some(reason) = finish {
+            if reason == FinishReason::Length {
+                let rest = s.stops.push(&s.decoder.finish());
+                ev.text.push_str(&rest.text);
+                ev.text.push_str(&s.stops.finish());
+            }
+            let now = Instant::now();
+            ev.done = Some(Done {
+                finish_reason: reason as i32,
+                prompt_tokens: s.new.prompt.len() as u32,
+                completion_tokens: s.generated as u32,
+                time_to_first_token_ms: s
+                    .first_token
+                    .map_or(0.0, |t| (t - s.new.arrived).as_secs_f64() * 1e3),
+                total_ms: (now - s.new.arrived).as_secs_f64() * 1e3,
+            });
+        }
+        let gone = s.new.events.send(Ok(ev)).is_err();
+        if finish.is_some() || gone {
+            self.drop_seq(id);
+        }
+    }
+}
+
+/// A step and the owner of each of its slots.
+struct Built(Step, HashMap<u32, u64>);
+
+impl From<(Step, HashMap<u32, u64>)> for Built {
+    fn from((s, o): (Step, HashMap<u32, u64>)) -> Built {
+        Built(s, o)
+    }
+}
+
+impl From<Step> for Built {
+    fn from(s: Step) -> Built {
+        Built(s, HashMap::new())
+    }
+}

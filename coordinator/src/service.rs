@@ -1,0 +1,244 @@
+//! The coordinator's gRPC services: Registry (workers announce themselves)
+//! and Inference (clients run requests). Request validation lives here, so a
+//! bad request is refused with INVALID_ARGUMENT before it reaches the
+//! scheduler.
+
+use crate::scheduler::{Event, NewSeq};
+use crate::{Registered, Shared};
+use omni_engine::chat::ChatMessage;
+use omni_engine::sampling::SamplingParams;
+use omni_proto::coordinator::v1::{
+    generate_request::Prompt, inference_server, registry_server, GenerateEvent, GenerateRequest,
+    InfoReply, InfoRequest, RegisterReply, RegisterRequest,
+};
+use omni_proto::worker::v1::Sampling;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status};
+
+pub struct RegistrySvc(pub Arc<Shared>);
+
+#[tonic::async_trait]
+impl registry_server::Registry for RegistrySvc {
+    async fn register(
+        &self,
+        req: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterReply>, Status> {
+        let r = req.into_inner();
+        if r.worker_id.is_empty() || r.grpc_addr.is_empty() {
+            return Err(Status::invalid_argument(
+                "a registration needs worker_id and grpc_addr",
+            ));
+        }
+        let inventory = r
+            .inventory
+            .ok_or_else(|| Status::invalid_argument("a registration needs the inventory"))?;
+        if !*self.0.registering.lock().unwrap() {
+            return Err(Status::failed_precondition(format!(
+                "worker {} registered after the plan was made; this coordinator expects {} worker(s)",
+                r.worker_id, self.0.cfg.workers
+            )));
+        }
+        self.0
+            .registrations
+            .send(Registered {
+                id: r.worker_id,
+                addr: r.grpc_addr,
+                inventory,
+            })
+            .map_err(|_| Status::unavailable("the coordinator is shutting down"))?;
+        Ok(Response::new(RegisterReply {
+            model_path: self.0.cfg.model.display().to_string(),
+        }))
+    }
+}
+
+pub struct InferenceSvc(pub Arc<Shared>);
+
+/// The response stream of one request. tonic drops it when the client goes
+/// away (or after the last event); dropping it cancels the sequence, which
+/// frees its KV cache on every stage (a finished one is simply forgotten).
+pub struct CancelOnDrop {
+    inner: UnboundedReceiverStream<Result<GenerateEvent, Status>>,
+    id: u64,
+    events: crossbeam_channel::Sender<Event>,
+}
+
+impl tokio_stream::Stream for CancelOnDrop {
+    type Item = Result<GenerateEvent, Status>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let _ = self.events.send(Event::Cancel(self.id));
+    }
+}
+
+type EventStream = CancelOnDrop;
+
+#[tonic::async_trait]
+impl inference_server::Inference for InferenceSvc {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let arrived = Instant::now();
+        let shared = &self.0;
+        let events = shared.events.lock().unwrap().clone().ok_or_else(|| {
+            Status::unavailable(format!(
+                "the cluster is not ready yet ({})",
+                shared.info.lock().unwrap().state
+            ))
+        })?;
+        let r = req.into_inner();
+        let prompt = self.prompt_ids(&r)?;
+        let n_ctx = shared.cfg.ctx;
+        let max_tokens = if r.max_tokens == 0 {
+            n_ctx.saturating_sub(prompt.len())
+        } else {
+            r.max_tokens as usize
+        };
+        if prompt.is_empty() {
+            return Err(Status::invalid_argument("the prompt is empty"));
+        }
+        if prompt.len() >= n_ctx {
+            return Err(Status::invalid_argument(format!(
+                "the prompt has {} tokens but the context is {n_ctx} tokens",
+                prompt.len()
+            )));
+        }
+        let max_tokens = max_tokens.min(n_ctx - prompt.len());
+        let n_vocab = shared.tokenizer.n_vocab();
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(Status::invalid_argument(format!(
+                "token id {bad} is outside the vocabulary of {n_vocab} tokens"
+            )));
+        }
+        let params = sampling_params(r.sampling.as_ref());
+        params
+            .validate(n_vocab)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if r.top_logprobs > 20 {
+            return Err(Status::invalid_argument(format!(
+                "top_logprobs is {} but at most 20 are allowed",
+                r.top_logprobs
+            )));
+        }
+        let id = shared.next_seq.fetch_add(1, Ordering::Relaxed);
+        let request_id = if r.request_id.is_empty() {
+            format!("req-{id}")
+        } else {
+            r.request_id.clone()
+        };
+        tracing::info!(
+            seq = id,
+            request = %request_id,
+            prompt_tokens = prompt.len(),
+            max_tokens,
+            "request"
+        );
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let stream = CancelOnDrop {
+            inner: UnboundedReceiverStream::new(rx),
+            id,
+            events: events.clone(),
+        };
+        events
+            .send(Event::New(Box::new(NewSeq {
+                id,
+                request_id,
+                prompt,
+                max_tokens,
+                params,
+                stop: r.stop.clone(),
+                ignore_eos: r.ignore_eos,
+                logprobs: r.logprobs,
+                top_logprobs: r.top_logprobs,
+                events: tx,
+                arrived,
+            })))
+            .map_err(|_| Status::unavailable("the scheduler has stopped"))?;
+        Ok(Response::new(stream))
+    }
+
+    async fn info(&self, _: Request<InfoRequest>) -> Result<Response<InfoReply>, Status> {
+        Ok(Response::new(self.0.info.lock().unwrap().clone()))
+    }
+}
+
+impl InferenceSvc {
+    fn prompt_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
+        let shared = &self.0;
+        match &r.prompt {
+            None => Err(Status::invalid_argument(
+                "a request needs a prompt: text, ids or chat",
+            )),
+            Some(Prompt::Ids(ids)) => Ok(ids.ids.clone()),
+            Some(Prompt::Text(t)) => shared
+                .tokenizer
+                .encode(t, true, false)
+                .map_err(|e| Status::invalid_argument(e.to_string())),
+            Some(Prompt::Chat(c)) => {
+                let template = shared.template.as_ref().ok_or_else(|| {
+                    Status::failed_precondition("this model has no usable chat template")
+                })?;
+                if c.messages.is_empty() {
+                    return Err(Status::invalid_argument("chat messages are empty"));
+                }
+                let msgs: Vec<ChatMessage> = c
+                    .messages
+                    .iter()
+                    .map(|m| ChatMessage {
+                        role: m.role.clone(),
+                        content: m.content.clone(),
+                    })
+                    .collect();
+                let text = template
+                    .render(&msgs, true)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                shared
+                    .tokenizer
+                    .encode(&text, true, true)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))
+            }
+        }
+    }
+}
+
+/// The request's sampling settings; absent means greedy.
+fn sampling_params(s: Option<&Sampling>) -> SamplingParams {
+    let Some(s) = s else {
+        return SamplingParams::default();
+    };
+    let d = SamplingParams::default();
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: if s.top_p == 0.0 { d.top_p } else { s.top_p },
+        min_p: s.min_p,
+        repeat_penalty: if s.repeat_penalty == 0.0 {
+            d.repeat_penalty
+        } else {
+            s.repeat_penalty
+        },
+        repeat_last_n: if s.repeat_last_n == 0 {
+            d.repeat_last_n
+        } else {
+            s.repeat_last_n as usize
+        },
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+        seed: s.seed,
+    }
+}

@@ -1,0 +1,69 @@
+//! Byte sizes as people write them ("6GiB", "512MiB", "2G", "1.5GiB") and
+//! as we print them. Shared by every binary that takes a memory flag.
+
+/// Parses a size: a number with an optional unit (B, K/KB/KiB, M/MB/MiB,
+/// G/GB/GiB, T/TB/TiB; case-insensitive). Units are binary (1K = 1024),
+/// as memory is counted.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size: expected a number and a unit, like 6GiB"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => {
+            return Err(format!(
+                "'{s}': unknown unit '{other}' (use B, KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    let bytes = value * mult as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("'{s}' is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// "41.2 GiB", "512.0 MiB", "12.0 KiB", "100 B".
+pub fn fmt_bytes(b: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ];
+    for (name, size) in UNITS {
+        if b >= size {
+            return format!("{:.1} {name}", b as f64 / size as f64);
+        }
+    }
+    format!("{b} B")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("6GiB").unwrap(), 6 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("lots").unwrap_err().contains("'lots'"));
+        assert!(parse_size("5 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
+        assert_eq!(fmt_bytes(100), "100 B");
+    }
+}

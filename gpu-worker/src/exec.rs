@@ -1,0 +1,236 @@
+//! The stage loop: one thread owns the loaded layer range and runs every
+//! frame that reaches the inbox, in arrival order, then hands the result to
+//! the next stage (hidden state) or back to the coordinator (sampled tokens).
+
+use crossbeam_channel::Receiver;
+use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplingParams};
+use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
+use omni_proto::worker::v1::{Sampled, StageTime, Step, TopLogprob};
+use omni_transport::{Frame, Outbox};
+use prost::Message;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Counters the worker reports (Status and metrics).
+#[derive(Debug, Default)]
+pub struct ExecStats {
+    pub steps: AtomicU64,
+    pub tokens: AtomicU64,
+    /// Compute time of the last step, in microseconds.
+    pub last_step_us: AtomicU64,
+    pub total_step_us: AtomicU64,
+    pub kv_cells_used: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+/// The sampling state of one sequence on the last stage.
+struct SeqSampler {
+    sampler: Sampler,
+    /// Every token of the sequence so far (the penalties look at it).
+    history: Vec<u32>,
+    logprobs: bool,
+    top_logprobs: usize,
+}
+
+pub struct Exec {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Exec {
+    pub fn start(
+        stage: Stage,
+        stage_index: u32,
+        hidden_dtype: HiddenDtype,
+        inbox: Receiver<Frame>,
+        outbox: Arc<Mutex<Option<Outbox>>>,
+        stats: Arc<ExecStats>,
+    ) -> Exec {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("stage-{stage_index}"))
+            .spawn(move || {
+                let mut run = StageRun {
+                    stage,
+                    index: stage_index,
+                    dtype: hidden_dtype,
+                    samplers: HashMap::new(),
+                    stats,
+                };
+                while !s.load(Ordering::Relaxed) {
+                    let Ok(frame) = inbox.recv_timeout(Duration::from_millis(100)) else {
+                        continue;
+                    };
+                    let out = run.frame(frame);
+                    let mut guard = outbox.lock().unwrap();
+                    match guard.as_mut() {
+                        Some(o) => {
+                            if let Err(e) = o.send(out) {
+                                tracing::error!("stage {stage_index}: cannot send downstream: {e}");
+                            }
+                        }
+                        None => tracing::error!(
+                            "stage {stage_index}: a frame arrived before Wire said where output goes; dropped"
+                        ),
+                    }
+                }
+            })
+            .expect("spawning the stage thread");
+        Exec {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Exec {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct StageRun {
+    stage: Stage,
+    index: u32,
+    dtype: HiddenDtype,
+    samplers: HashMap<u32, SeqSampler>,
+    stats: Arc<ExecStats>,
+}
+
+impl StageRun {
+    /// Runs one frame and returns the frame to send on. Errors travel in the
+    /// step header so the coordinator learns of them; nothing is dropped.
+    fn frame(&mut self, frame: Frame) -> Frame {
+        let mut step = match Step::decode(frame.meta.as_slice()) {
+            Ok(s) => s,
+            Err(e) => Step {
+                error: format!("stage {}: undecodable step header: {e}", self.index),
+                ..Default::default()
+            },
+        };
+        let payload = if step.error.is_empty() {
+            match self.step(&mut step, &frame.payload) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    step.error = format!("stage {}: {e}", self.index);
+                    Vec::new()
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        Frame {
+            meta: step.encode_to_vec(),
+            payload,
+        }
+    }
+
+    fn step(&mut self, step: &mut Step, payload: &[u8]) -> Result<Vec<u8>, String> {
+        for &slot in &step.remove {
+            self.stage.remove_seq(slot, None);
+            self.samplers.remove(&slot);
+        }
+        let head = self.stage.range().head;
+        if head {
+            for s in &step.starts {
+                let params: SamplingParams = serde_json::from_slice(&s.sampling_json)
+                    .map_err(|e| format!("bad sampling settings for slot {}: {e}", s.slot))?;
+                self.samplers.insert(
+                    s.slot,
+                    SeqSampler {
+                        sampler: Sampler::new(params),
+                        history: Vec::new(),
+                        logprobs: s.logprobs,
+                        top_logprobs: s.top_logprobs as usize,
+                    },
+                );
+            }
+        }
+        let n = step.positions.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let batch = Batch {
+            tokens: step.tokens.clone(),
+            pos: step.positions.clone(),
+            seq: step.seqs.clone(),
+            logits: step.logits.clone(),
+        };
+        let input = if self.stage.range().embed {
+            None
+        } else {
+            Some(Hidden::from_bytes(payload).map_err(|e| e.to_string())?)
+        };
+        let t = Instant::now();
+        let out = self
+            .stage
+            .forward(&batch, input.as_ref())
+            .map_err(|e| e.to_string())?;
+        let payload = match out {
+            StageOutput::Hidden(h) => h.to_bytes(self.dtype),
+            StageOutput::Logits(l) => {
+                self.sample(step, &batch, &l);
+                Vec::new()
+            }
+        };
+        let us = t.elapsed().as_micros() as u64;
+        step.times.push(StageTime {
+            stage: self.index,
+            compute_ms: us as f32 / 1e3,
+        });
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.tokens.fetch_add(n as u64, Ordering::Relaxed);
+        self.stats.last_step_us.store(us, Ordering::Relaxed);
+        self.stats.total_step_us.fetch_add(us, Ordering::Relaxed);
+        self.stats
+            .kv_cells_used
+            .store(self.stage.kv().used() as u64, Ordering::Relaxed);
+        Ok(payload)
+    }
+
+    /// Samples every row whose logits were wanted, after recording the
+    /// step's tokens in each sequence's history.
+    fn sample(&mut self, step: &mut Step, batch: &Batch, logits: &omni_engine::stage::Logits) {
+        for i in 0..batch.len() {
+            let slot = batch.seq[i];
+            let s = self.samplers.entry(slot).or_insert_with(|| {
+                tracing::warn!("slot {slot} has no sampling settings; sampling greedily");
+                SeqSampler {
+                    sampler: Sampler::new(SamplingParams::default()),
+                    history: Vec::new(),
+                    logprobs: false,
+                    top_logprobs: 0,
+                }
+            });
+            s.history.push(batch.tokens[i]);
+        }
+        for (row, &bi) in logits.rows.iter().enumerate() {
+            let slot = batch.seq[bi];
+            let l = logits.row(row);
+            let s = self.samplers.get_mut(&slot).expect("inserted above");
+            let token = s.sampler.sample(l, &s.history);
+            let logprob = (s.logprobs || s.top_logprobs > 0).then(|| logprob_of(l, token));
+            let top = if s.top_logprobs > 0 {
+                top_logprobs(l, s.top_logprobs)
+                    .into_iter()
+                    .map(|(token, logprob)| TopLogprob { token, logprob })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            step.sampled.push(Sampled {
+                slot,
+                token,
+                logprob,
+                top,
+            });
+        }
+    }
+}

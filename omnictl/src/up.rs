@@ -1,0 +1,244 @@
+//! `omnictl up`: a local cluster — one coordinator and N CPU-backed workers
+//! as child processes of this one. Every child's log lines are prefixed with
+//! its name; when any child exits, or on Ctrl-C, all of them are stopped.
+
+use anyhow::Context;
+use clap::Args;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug, Clone)]
+pub struct UpArgs {
+    /// GGUF path, or a known model name (fetched if missing).
+    #[arg(long, short)]
+    pub model: String,
+    /// Number of worker processes (pipeline stages).
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// auto (shared memory between local processes), shm or grpc.
+    #[arg(long, default_value = "auto")]
+    pub transport: String,
+    /// Where the coordinator serves Inference.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: String,
+    /// Context length of one sequence.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// Sequences resident at once.
+    #[arg(long, default_value_t = 8)]
+    pub seqs: usize,
+    /// Compute threads per worker (default: the cores divided among workers).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Memory each worker offers, e.g. 2GiB (default: what the machine has free).
+    #[arg(long)]
+    pub memory: Option<String>,
+    /// Manual split by proportion (e.g. 3,1).
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Manual split by layer counts (e.g. 12,12).
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Coordinator metrics listen address (GET /metrics).
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// Extra seconds the workers may take to register.
+    #[arg(long, default_value_t = 60.0)]
+    pub register_timeout: f64,
+}
+
+/// Locates a sibling binary (the build puts all of omni's in one directory).
+pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe().context("cannot locate omnictl itself")?;
+    let dir = me.parent().context("omnictl has no parent directory")?;
+    // `cargo test` runs omnictl from target/<profile>/deps; the binaries are one up.
+    for d in [dir.to_path_buf(), dir.join("..")] {
+        let p = d.join(name);
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    anyhow::bail!(
+        "cannot find {name} next to {} (build the workspace: cargo build --release)",
+        me.display()
+    )
+}
+
+pub fn run(a: UpArgs) -> anyhow::Result<()> {
+    if a.stages == 0 {
+        anyhow::bail!("--stages must be at least 1");
+    }
+    let model = crate::resolve_model(&a.model)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads.unwrap_or((cores / a.stages).max(1));
+    let coordinator_bin = sibling_binary("omni-coordinator")?;
+    let worker_bin = sibling_binary("omni-gpu-worker")?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        ctrlc_handler(move || stop.store(true, Ordering::SeqCst))?;
+    }
+
+    let mut children: Vec<(String, Child)> = Vec::new();
+    let mut c = Command::new(&coordinator_bin);
+    c.arg("--model")
+        .arg(&model)
+        .args(["--listen", &a.listen])
+        .args(["--workers", &a.stages.to_string()])
+        .args(["--ctx", &a.ctx.to_string()])
+        .args(["--seqs", &a.seqs.to_string()])
+        .args(["--transport", &a.transport])
+        .args(["--register-timeout", &a.register_timeout.to_string()]);
+    if let Some(s) = &a.split {
+        c.args(["--split", s]);
+    }
+    if let Some(l) = &a.layers {
+        c.args(["--layers", l]);
+    }
+    if let Some(m) = &a.metrics {
+        c.args(["--metrics-listen", m]);
+    }
+    children.push(("coordinator".into(), spawn_logged("coordinator", c)?));
+    for i in 0..a.stages {
+        let name = format!("w{i}");
+        let mut w = Command::new(&worker_bin);
+        w.args(["--coordinator", &a.listen])
+            .args(["--id", &name])
+            .args(["--threads", &threads.to_string()])
+            .args(["--register-timeout", &a.register_timeout.to_string()]);
+        if let Some(m) = &a.memory {
+            w.args(["--memory", m]);
+        }
+        children.push((name.clone(), spawn_logged(&name, w)?));
+    }
+    eprintln!(
+        "omnictl: started a coordinator on {} and {} worker(s) with {threads} thread(s) each; Ctrl-C stops them",
+        a.listen, a.stages
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut announced = false;
+    let started = Instant::now();
+    let result = loop {
+        if stop.load(Ordering::SeqCst) {
+            eprintln!("omnictl: stopping the cluster");
+            break Ok(());
+        }
+        if let Some((name, status)) = children
+            .iter_mut()
+            .find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s)))
+        {
+            break Err(anyhow::anyhow!(
+                "{name} exited ({status}); stopping the cluster (its log is above)"
+            ));
+        }
+        if !announced && started.elapsed() > Duration::from_millis(300) {
+            if let Ok(info) = rt.block_on(crate::remote::info(&a.listen, Duration::from_secs(1))) {
+                if info.ready {
+                    announced = true;
+                    eprintln!(
+                        "omnictl: ready: {} on {} stage(s), Inference at {}",
+                        info.model_path,
+                        info.stages.len(),
+                        a.listen
+                    );
+                    for s in &info.stages {
+                        eprintln!(
+                            "omnictl:   {} ({}): {}, output over {}",
+                            s.worker_id, s.device, s.range, s.transport
+                        );
+                    }
+                    eprintln!(
+                        "omnictl: try: omnictl generate --coordinator {} --prompt \"The capital of France is\" -n 32",
+                        a.listen
+                    );
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    stop_all(&mut children);
+    result
+}
+
+/// SIGTERM to every child, then SIGKILL to whatever is left after 5 s.
+fn stop_all(children: &mut [(String, Child)]) {
+    for (_, c) in children.iter_mut() {
+        if c.try_wait().ok().flatten().is_none() {
+            let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for (name, c) in children.iter_mut() {
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() > deadline => {
+                    eprintln!("omnictl: {name} did not stop; killing it");
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+}
+
+/// Starts `cmd` with its stdout and stderr forwarded line by line, each line
+/// prefixed with `[name]`.
+fn spawn_logged(name: &str, mut cmd: Command) -> anyhow::Result<Child> {
+    // A group of its own: Ctrl-C reaches omnictl only, which then stops
+    // the children in order instead of racing them.
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {name} ({:?})", cmd.get_program()))?;
+    let out = child.stdout.take().expect("piped");
+    let err = child.stderr.take().expect("piped");
+    for (stream, is_err) in [
+        (Box::new(out) as Box<dyn std::io::Read + Send>, false),
+        (Box::new(err), true),
+    ] {
+        let prefix = format!("[{name}] ");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                if is_err {
+                    eprintln!("{prefix}{line}");
+                } else {
+                    println!("{prefix}{line}");
+                }
+            }
+        });
+    }
+    Ok(child)
+}
+
+/// Ctrl-C and SIGTERM set the flag; the main loop stops the children.
+fn ctrlc_handler(f: impl Fn() + Send + 'static) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::spawn(move || {
+        rt.block_on(async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("installing a SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        });
+        f();
+    });
+    Ok(())
+}
