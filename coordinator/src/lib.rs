@@ -113,6 +113,7 @@ pub(crate) struct Shared {
     pub events: Mutex<Option<crossbeam_channel::Sender<Event>>>,
     pub info: Mutex<InfoReply>,
     pub next_seq: std::sync::atomic::AtomicU64,
+    pub metrics: Arc<Metrics>,
 }
 
 /// Runs the coordinator until it is stopped or its start-up fails.
@@ -175,6 +176,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             ..Default::default()
         }),
         next_seq: 1.into(),
+        metrics: metrics.clone(),
     });
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -191,10 +193,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             service::InferenceSvc(shared.clone()),
         ))
         .add_service(inbox.sink_service())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown_signal(),
-        );
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let server = tokio::spawn(server);
     if let Some(addr) = &cfg.metrics_listen {
         let m = metrics.clone();
@@ -341,6 +340,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             weight_bytes: lr.weight_bytes,
             kv_bytes: lr.kv_bytes,
             compute_bytes: lr.compute_bytes,
+            worker_addr: w.addr.clone(),
         });
     }
     let first = replies[0].inbox.clone().unwrap_or_default();
@@ -434,7 +434,10 @@ async fn watch_worker(w: Registered, interval: Duration, events: crossbeam_chann
     }
 }
 
-async fn shutdown_signal() {
+/// Resolves on Ctrl-C or SIGTERM. `main` races it against `run`, so that
+/// stopping drops everything `run` holds (the shared-memory ring is unlinked
+/// on drop) instead of waiting for open streams to finish.
+pub async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("installing a SIGTERM handler");
     tokio::select! {

@@ -23,7 +23,11 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = omni_coordinator::run(cli.cfg).await {
+    let result = tokio::select! {
+        r = omni_coordinator::run(cli.cfg) => r,
+        _ = omni_coordinator::shutdown_signal() => Ok(()),
+    };
+    if let Err(e) = result {
         eprintln!("omni-coordinator: error: {e:#}");
         std::process::exit(1);
     }

@@ -8,7 +8,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabel {
@@ -25,7 +27,11 @@ pub struct Metrics {
     ttft: Histogram,
     stage_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
     pub registry: Registry,
+    /// Per-hop latency samples (µs), the most recent `HOP_SAMPLES`.
+    hops: Mutex<VecDeque<f64>>,
 }
+
+const HOP_SAMPLES: usize = 4096;
 
 fn ms_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.25, 2.0, 18))
@@ -84,6 +90,7 @@ impl Metrics {
             ttft,
             stage_ms,
             registry: r,
+            hops: Mutex::new(VecDeque::with_capacity(HOP_SAMPLES)),
         }
     }
 
@@ -91,6 +98,26 @@ impl Metrics {
         self.stage_ms
             .get_or_create(&StageLabel { stage })
             .observe(ms);
+    }
+
+    /// One step's time outside compute, spread over its hops.
+    pub fn record_hop(&self, us: f64) {
+        let mut h = self.hops.lock().unwrap();
+        if h.len() == HOP_SAMPLES {
+            h.pop_front();
+        }
+        h.push_back(us);
+    }
+
+    /// (p50, p99, samples) of the per-hop latency in µs.
+    pub fn hop_percentiles(&self) -> (f64, f64, usize) {
+        let mut v: Vec<f64> = self.hops.lock().unwrap().iter().copied().collect();
+        if v.is_empty() {
+            return (0.0, 0.0, 0);
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        (at(0.50), at(0.99), v.len())
     }
 
     pub fn record_ttft(&self, ms: f64) {

@@ -375,8 +375,16 @@ impl Scheduler {
             ));
             return;
         }
+        let mut compute_us = 0.0;
         for t in &step.times {
             self.metrics.record_stage(t.stage, t.compute_ms as f64);
+            compute_us += t.compute_ms as f64 * 1e3;
+        }
+        if !step.times.is_empty() {
+            let rtt_us = inflight.sent.elapsed().as_secs_f64() * 1e6;
+            let hops = (step.times.len() + 1) as f64;
+            self.metrics
+                .record_hop((rtt_us - compute_us).max(0.0) / hops);
         }
         self.metrics
             .step_latency_us

@@ -172,7 +172,12 @@ impl inference_server::Inference for InferenceSvc {
     }
 
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<InfoReply>, Status> {
-        Ok(Response::new(self.0.info.lock().unwrap().clone()))
+        let mut info = self.0.info.lock().unwrap().clone();
+        let (p50, p99, n) = self.0.metrics.hop_percentiles();
+        info.hop_us_p50 = p50;
+        info.hop_us_p99 = p99;
+        info.hop_samples = n as u64;
+        Ok(Response::new(info))
     }
 }
 

@@ -126,6 +126,9 @@ impl StageRun {
         } else {
             Vec::new()
         };
+        self.stats
+            .kv_cells_used
+            .store(self.stage.kv().used() as u64, Ordering::Relaxed);
         Frame {
             meta: step.encode_to_vec(),
             payload,
@@ -136,6 +139,7 @@ impl StageRun {
         for &slot in &step.remove {
             self.stage.remove_seq(slot, None);
             self.samplers.remove(&slot);
+            tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");
         }
         let head = self.stage.range().head;
         if head {
@@ -173,6 +177,7 @@ impl StageRun {
             .stage
             .forward(&batch, input.as_ref())
             .map_err(|e| e.to_string())?;
+        // Sampling is part of the last stage's compute time.
         let payload = match out {
             StageOutput::Hidden(h) => h.to_bytes(self.dtype),
             StageOutput::Logits(l) => {
@@ -189,9 +194,6 @@ impl StageRun {
         self.stats.tokens.fetch_add(n as u64, Ordering::Relaxed);
         self.stats.last_step_us.store(us, Ordering::Relaxed);
         self.stats.total_step_us.fetch_add(us, Ordering::Relaxed);
-        self.stats
-            .kv_cells_used
-            .store(self.stage.kv().used() as u64, Ordering::Relaxed);
         Ok(payload)
     }
 

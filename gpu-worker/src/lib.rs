@@ -54,6 +54,9 @@ pub struct WorkerConfig {
     /// Where the shared-memory ring lives.
     #[arg(long, env = "OMNI_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
+    /// Prometheus metrics (GET /metrics) listen address.
+    #[arg(long, env = "OMNI_WORKER_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
     /// Give up if the coordinator cannot be reached for this long (seconds).
     #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
     pub register_timeout: f64,
@@ -128,11 +131,12 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         .add_service(health)
         .add_service(worker_server::WorkerServer::new(Svc(worker.clone())))
         .add_service(sink)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown_signal(),
-        );
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let server = tokio::spawn(server);
+    if let Some(addr) = &cfg.metrics_listen {
+        let w = worker.clone();
+        omni_transport::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
+    }
     register(&cfg, &id, &advertise, inventory).await?;
     server.await??;
     tracing::info!("worker {id} stopped");
@@ -141,7 +145,10 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-async fn shutdown_signal() {
+/// Resolves on Ctrl-C or SIGTERM. `main` races it against `run`, so that
+/// stopping drops everything `run` holds (the shared-memory ring is unlinked
+/// on drop) instead of waiting for open streams to finish.
+pub async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("installing a SIGTERM handler");
     tokio::select! {
@@ -249,6 +256,71 @@ impl worker_server::Worker for Svc {
 }
 
 impl Worker {
+    /// The Prometheus text for this worker, read from its counters.
+    fn render_metrics(&self) -> String {
+        use prometheus_client::metrics::{counter::ConstCounter, gauge::ConstGauge};
+        let mut r = prometheus_client::registry::Registry::with_prefix("omni_worker");
+        let s = &self.stats;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        r.register(
+            "steps",
+            "Steps this stage ran",
+            ConstCounter::new(get(&s.steps)),
+        );
+        r.register(
+            "tokens",
+            "Tokens this stage ran",
+            ConstCounter::new(get(&s.tokens)),
+        );
+        r.register(
+            "step_compute_seconds",
+            "Compute time of all steps",
+            ConstCounter::new(get(&s.total_step_us) as f64 / 1e6),
+        );
+        r.register(
+            "last_step_ms",
+            "Compute time of the last step",
+            ConstGauge::new(get(&s.last_step_us) as f64 / 1e3),
+        );
+        r.register(
+            "kv_cells_used",
+            "KV cache cells in use",
+            ConstGauge::new(get(&s.kv_cells_used) as i64),
+        );
+        r.register(
+            "step_errors",
+            "Steps that failed",
+            ConstCounter::new(get(&s.errors)),
+        );
+        let inbox = self.inbox.lock().unwrap().stats.clone();
+        r.register(
+            "bytes_received",
+            "Frame bytes received (both transports)",
+            ConstCounter::new(get(&inbox.bytes_received)),
+        );
+        r.register(
+            "frames_received",
+            "Frames received",
+            ConstCounter::new(get(&inbox.frames_received)),
+        );
+        if let Some(o) = self.outbox.lock().unwrap().as_ref() {
+            let sub = r.sub_registry_with_label(("transport".into(), o.kind().into()));
+            sub.register(
+                "bytes_sent",
+                "Frame bytes sent to the next stage",
+                ConstCounter::new(get(&o.stats.bytes_sent)),
+            );
+            sub.register(
+                "frames_sent",
+                "Frames sent to the next stage",
+                ConstCounter::new(get(&o.stats.frames_sent)),
+            );
+        }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &r).expect("writing to a String");
+        out
+    }
+
     fn load(&self, req: LoadRequest) -> Result<LoadReply, Status> {
         let t = Instant::now();
         let range = LayerRange {

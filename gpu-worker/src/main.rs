@@ -23,7 +23,11 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = omni_gpu_worker::run(cli.cfg).await {
+    let result = tokio::select! {
+        r = omni_gpu_worker::run(cli.cfg) => r,
+        _ = omni_gpu_worker::shutdown_signal() => Ok(()),
+    };
+    if let Err(e) = result {
         eprintln!("omni-gpu-worker: error: {e:#}");
         std::process::exit(1);
     }

@@ -4,6 +4,7 @@
 //! loading anything, and `up` a local cluster.
 
 mod bench;
+mod bench_cluster;
 mod fetch;
 mod generate;
 mod plan;
@@ -38,6 +39,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode speed (tokens per second).
     Bench(bench::BenchArgs),
+    /// Decode speed through local clusters (1 stage, 2 over shm, 2 over gRPC) beside llama.cpp.
+    BenchCluster(bench_cluster::BenchClusterArgs),
     /// Show how a model would be split across devices, and why (nothing is loaded).
     Plan(plan::PlanArgs),
     /// Start a local cluster (a coordinator and N workers) and supervise it.
@@ -53,6 +56,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::BenchCluster(args) => bench_cluster::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Up(args) => up::run(args),
     }

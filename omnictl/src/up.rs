@@ -68,6 +68,111 @@ pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     )
 }
 
+/// OpenMP spin count for local workers (see `LocalCluster::start`).
+pub const WORKER_SPINCOUNT: &str = "10000";
+
+/// A coordinator and its workers, started as children of this process.
+pub struct LocalCluster {
+    pub children: Vec<(String, Child)>,
+}
+
+impl LocalCluster {
+    /// Starts the processes (it does not wait for readiness). With `quiet`
+    /// their output is discarded, otherwise forwarded with name prefixes.
+    pub fn start(
+        a: &UpArgs,
+        model: &std::path::Path,
+        threads: usize,
+        quiet: bool,
+    ) -> anyhow::Result<LocalCluster> {
+        let coordinator_bin = sibling_binary("omni-coordinator")?;
+        let worker_bin = sibling_binary("omni-gpu-worker")?;
+        let mut cluster = LocalCluster {
+            children: Vec::new(),
+        };
+        let mut c = Command::new(&coordinator_bin);
+        c.arg("--model")
+            .arg(model)
+            .args(["--listen", &a.listen])
+            .args(["--workers", &a.stages.to_string()])
+            .args(["--ctx", &a.ctx.to_string()])
+            .args(["--seqs", &a.seqs.to_string()])
+            .args(["--transport", &a.transport])
+            .args(["--register-timeout", &a.register_timeout.to_string()]);
+        if let Some(s) = &a.split {
+            c.args(["--split", s]);
+        }
+        if let Some(l) = &a.layers {
+            c.args(["--layers", l]);
+        }
+        if let Some(m) = &a.metrics {
+            c.args(["--metrics-listen", m]);
+        }
+        cluster
+            .children
+            .push(("coordinator".into(), spawn_logged("coordinator", c, quiet)?));
+        for i in 0..a.stages {
+            let name = format!("w{i}");
+            let mut w = Command::new(&worker_bin);
+            // ggml's OpenMP threads spin after each graph; with several
+            // stages on one machine an idle stage's spinning steals cores
+            // from the busy one (2 stages ran at 0.65x of one stage with
+            // the default spin, 0.8-1.2x with this). A user's value wins.
+            if std::env::var_os("GOMP_SPINCOUNT").is_none() {
+                w.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
+            }
+            w.args(["--coordinator", &a.listen])
+                .args(["--id", &name])
+                .args(["--threads", &threads.to_string()])
+                .args(["--register-timeout", &a.register_timeout.to_string()]);
+            if let Some(m) = &a.memory {
+                w.args(["--memory", m]);
+            }
+            cluster
+                .children
+                .push((name.clone(), spawn_logged(&name, w, quiet)?));
+        }
+        Ok(cluster)
+    }
+
+    /// The first child that has exited, with its status.
+    pub fn exited(&mut self) -> Option<(String, std::process::ExitStatus)> {
+        self.children
+            .iter_mut()
+            .find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s)))
+    }
+
+    /// Waits until the coordinator serves; fails if a child exits first.
+    pub fn wait_ready(
+        &mut self,
+        addr: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<omni_proto::coordinator::v1::InfoReply> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some((name, status)) = self.exited() {
+                anyhow::bail!("{name} exited ({status}) before the cluster was ready");
+            }
+            if let Ok(info) = rt.block_on(crate::remote::info(addr, Duration::from_secs(1))) {
+                if info.ready {
+                    return Ok(info);
+                }
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("the cluster was not ready within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn stop(mut self) {
+        stop_all(&mut self.children);
+    }
+}
+
 pub fn run(a: UpArgs) -> anyhow::Result<()> {
     if a.stages == 0 {
         anyhow::bail!("--stages must be at least 1");
@@ -75,47 +180,13 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     let model = crate::resolve_model(&a.model)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = a.threads.unwrap_or((cores / a.stages).max(1));
-    let coordinator_bin = sibling_binary("omni-coordinator")?;
-    let worker_bin = sibling_binary("omni-gpu-worker")?;
 
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
         ctrlc_handler(move || stop.store(true, Ordering::SeqCst))?;
     }
-
-    let mut children: Vec<(String, Child)> = Vec::new();
-    let mut c = Command::new(&coordinator_bin);
-    c.arg("--model")
-        .arg(&model)
-        .args(["--listen", &a.listen])
-        .args(["--workers", &a.stages.to_string()])
-        .args(["--ctx", &a.ctx.to_string()])
-        .args(["--seqs", &a.seqs.to_string()])
-        .args(["--transport", &a.transport])
-        .args(["--register-timeout", &a.register_timeout.to_string()]);
-    if let Some(s) = &a.split {
-        c.args(["--split", s]);
-    }
-    if let Some(l) = &a.layers {
-        c.args(["--layers", l]);
-    }
-    if let Some(m) = &a.metrics {
-        c.args(["--metrics-listen", m]);
-    }
-    children.push(("coordinator".into(), spawn_logged("coordinator", c)?));
-    for i in 0..a.stages {
-        let name = format!("w{i}");
-        let mut w = Command::new(&worker_bin);
-        w.args(["--coordinator", &a.listen])
-            .args(["--id", &name])
-            .args(["--threads", &threads.to_string()])
-            .args(["--register-timeout", &a.register_timeout.to_string()]);
-        if let Some(m) = &a.memory {
-            w.args(["--memory", m]);
-        }
-        children.push((name.clone(), spawn_logged(&name, w)?));
-    }
+    let mut cluster = LocalCluster::start(&a, &model, threads, false)?;
     eprintln!(
         "omnictl: started a coordinator on {} and {} worker(s) with {threads} thread(s) each; Ctrl-C stops them",
         a.listen, a.stages
@@ -124,21 +195,17 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let mut announced = false;
-    let started = Instant::now();
     let result = loop {
         if stop.load(Ordering::SeqCst) {
             eprintln!("omnictl: stopping the cluster");
             break Ok(());
         }
-        if let Some((name, status)) = children
-            .iter_mut()
-            .find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s)))
-        {
+        if let Some((name, status)) = cluster.exited() {
             break Err(anyhow::anyhow!(
                 "{name} exited ({status}); stopping the cluster (its log is above)"
             ));
         }
-        if !announced && started.elapsed() > Duration::from_millis(300) {
+        if !announced {
             if let Ok(info) = rt.block_on(crate::remote::info(&a.listen, Duration::from_secs(1))) {
                 if info.ready {
                     announced = true;
@@ -163,7 +230,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    stop_all(&mut children);
+    cluster.stop();
     result
 }
 
@@ -194,11 +261,17 @@ fn stop_all(children: &mut [(String, Child)]) {
 
 /// Starts `cmd` with its stdout and stderr forwarded line by line, each line
 /// prefixed with `[name]`.
-fn spawn_logged(name: &str, mut cmd: Command) -> anyhow::Result<Child> {
+fn spawn_logged(name: &str, mut cmd: Command, quiet: bool) -> anyhow::Result<Child> {
     // A group of its own: Ctrl-C reaches omnictl only, which then stops
     // the children in order instead of racing them.
     use std::os::unix::process::CommandExt;
     cmd.process_group(0);
+    if quiet {
+        cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        return cmd
+            .spawn()
+            .with_context(|| format!("cannot start {name} ({:?})", cmd.get_program()));
+    }
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd
         .spawn()

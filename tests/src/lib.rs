@@ -84,8 +84,17 @@ impl Proc {
 }
 
 impl Drop for Proc {
+    /// SIGTERM first, so the process removes its shared-memory ring; SIGKILL
+    /// if it is still there after two seconds.
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
+            if self.wait_exit(Duration::from_secs(2)).is_none() {
+                let _ = self.child.kill();
+            }
+        }
         let _ = self.child.wait();
     }
 }
@@ -155,6 +164,8 @@ impl Cluster {
                 .args(["--threads", &spec.threads.to_string()])
                 .args(["--register-timeout", "30"])
                 .args(spec.worker_args.get(i).cloned().unwrap_or_default())
+                // As `omnictl up` does: idle stages must not spin on the cores.
+                .env("GOMP_SPINCOUNT", "10000")
                 .env("OMNI_LOG", "info");
             workers.push(Proc::spawn(&format!("w{i}"), w, dir.path()));
         }

@@ -341,3 +341,207 @@ fn worker_dying_mid_request_ends_the_stream_with_a_clear_error() {
     let err = c.generate(greedy(&prompt, 4)).unwrap_err();
     assert!(err.message().contains("w1"), "{}", err.message());
 }
+
+/// A client that goes away mid-stream frees its sequence's KV cache on every
+/// worker (each worker's Status shows the cells in use).
+#[test]
+fn cancelling_a_request_frees_its_kv_cache_on_every_worker() {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    let _g = serial();
+    let c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
+    let addrs: Vec<String> = c
+        .info()
+        .unwrap()
+        .stages
+        .iter()
+        .map(|s| s.worker_addr.clone())
+        .collect();
+    let used = || -> Vec<u64> {
+        c.rt.block_on(async {
+            let mut out = Vec::new();
+            for a in &addrs {
+                let mut w = WorkerClient::connect(format!("http://{a}")).await.unwrap();
+                out.push(
+                    w.status(StatusRequest {})
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .kv_cells_used,
+                );
+            }
+            out
+        })
+    };
+    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    let mut client = c.client().unwrap();
+    c.rt.block_on(async {
+        use tokio_stream::StreamExt;
+        let mut stream = client
+            .generate(greedy(&prompt, 900))
+            .await
+            .unwrap()
+            .into_inner();
+        for _ in 0..4 {
+            stream.next().await.unwrap().unwrap();
+        }
+        // Dropping the stream is what a disconnecting client does.
+    });
+    let during = used();
+    eprintln!("KV cells in use right after the client left: {during:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = used();
+        if now.iter().all(|&u| u == 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "KV cells still in use 10 s after the client left: {now:?}\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // And the cluster still serves.
+    let ev = c.generate(greedy(&prompt, 4)).unwrap();
+    assert_eq!(ids(&ev).len(), 4);
+}
+
+/// `omnictl up` starts a coordinator and its workers, prefixes their logs,
+/// serves requests, and Ctrl-C stops every process and cleans shared memory.
+#[test]
+fn omnictl_up_serves_and_stops_cleanly_on_ctrl_c() {
+    let _g = serial();
+    let rings = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("omni-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let before = rings();
+    let dir = tempfile::tempdir().unwrap();
+    let addr = format!("127.0.0.1:{}", omni_tests::free_port());
+    let mut cmd = std::process::Command::new(omni_tests::target_bin("omnictl"));
+    cmd.args(["up", "--stages", "2", "--threads", "1", "--ctx", "512"])
+        .arg("--model")
+        .arg(model(GEMMA))
+        .args(["--listen", &addr]);
+    let mut up = omni_tests::Proc::spawn("omnictl-up", cmd, dir.path());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !up.log_text().contains("omnictl: ready") {
+        assert!(Instant::now() < deadline, "not ready:\n{}", up.log_text());
+        assert!(
+            up.child.try_wait().unwrap().is_none(),
+            "exited:\n{}",
+            up.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    let ids_arg: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = std::process::Command::new(omni_tests::target_bin("omnictl"))
+        .args([
+            "generate",
+            "--coordinator",
+            &addr,
+            "--json",
+            "-n",
+            "8",
+            "--ignore-eos",
+        ])
+        .args(["--prompt-ids", &ids_arg.join(",")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got: Vec<u32> = omni_tests::fixtures::ids(&report["generated_ids"]);
+    assert_eq!(got, reference(GEMMA, &[prompt]).remove(0)[..8]);
+
+    let log = up.log_text();
+    for name in ["[coordinator]", "[w0]", "[w1]"] {
+        assert!(log.contains(name), "log lines carry {name}:\n{log}");
+    }
+    let pid = up.child.id().to_string();
+    std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap();
+    assert_eq!(
+        up.wait_exit(Duration::from_secs(20)),
+        Some(true),
+        "omnictl up should stop cleanly on Ctrl-C:\n{}",
+        up.log_text()
+    );
+    // Every child is gone: nothing listens on the coordinator's port, and
+    // the shared-memory rings were removed.
+    assert!(std::net::TcpStream::connect(&addr).is_err());
+    let leftover: Vec<_> = rings()
+        .into_iter()
+        .filter(|r| !before.contains(r))
+        .collect();
+    assert!(
+        leftover.is_empty(),
+        "shared memory left behind: {leftover:?}"
+    );
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Prometheus endpoints on the coordinator and on every worker report what
+/// a request did: tokens out, queue depth, per-stage step time, and the bytes
+/// each worker sent over its transport.
+#[test]
+fn metrics_show_tokens_step_times_and_bytes_per_transport() {
+    let _g = serial();
+    let (cm, w0m, w1m) = (
+        format!("127.0.0.1:{}", omni_tests::free_port()),
+        format!("127.0.0.1:{}", omni_tests::free_port()),
+        format!("127.0.0.1:{}", omni_tests::free_port()),
+    );
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.coordinator_args = vec!["--metrics-listen".into(), cm.clone()];
+    spec.worker_args = vec![
+        vec!["--metrics-listen".into(), w0m.clone()],
+        vec!["--metrics-listen".into(), w1m.clone()],
+    ];
+    let c = Cluster::start(&model(GEMMA), &spec);
+    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    c.generate(greedy(&prompt, 8)).unwrap();
+    let coord = http_get(&cm, "/metrics");
+    assert!(
+        coord.contains("omni_coordinator_tokens_out_total 8"),
+        "{coord}"
+    );
+    assert!(coord.contains("omni_coordinator_queue_depth"), "{coord}");
+    assert!(
+        coord.contains("omni_coordinator_stage_step_ms_count{stage=\"1\"}"),
+        "{coord}"
+    );
+    let w0 = http_get(&w0m, "/metrics");
+    assert!(
+        w0.contains("omni_worker_bytes_sent_total{transport=\"shm\"}"),
+        "{w0}"
+    );
+    assert!(w0.contains("omni_worker_steps_total"), "{w0}");
+    let w1 = http_get(&w1m, "/metrics");
+    assert!(w1.contains("omni_worker_frames_received_total"), "{w1}");
+}

@@ -96,6 +96,7 @@ impl Inbox {
     /// the inbox keeps working over gRPC and the caller logs the error.
     pub fn add_ring(&mut self, dir: &Path, name: &str, capacity: usize) -> Result<(), ShmError> {
         self.stop_ring();
+        sweep_stale_rings(dir);
         let ring = RingReceiver::create(dir, name, capacity)?;
         self.ring = Some((ring.path().to_path_buf(), ring.token()));
         self.stop = Arc::new(AtomicBool::new(false));
@@ -359,6 +360,22 @@ impl Outbox {
         self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         self.stats.bytes_sent.fetch_add(n, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+/// Removes rings left by omni processes that died without cleaning up
+/// (`kill -9`, OOM). Only files named `omni-*` that are rings whose owner,
+/// in our pid namespace, no longer exists; nothing else is touched.
+fn sweep_stale_rings(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name();
+        if name.to_string_lossy().starts_with("omni-") && crate::shm::looks_stale(&e.path()) {
+            tracing::info!("removing stale shared-memory ring {}", e.path().display());
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 

@@ -884,8 +884,9 @@ fn create_file(path: &Path) -> io::Result<File> {
         .open(path)
 }
 
-/// Whether `path` is a ring whose owner died without removing it.
-fn looks_stale(path: &Path) -> bool {
+/// Whether `path` is a ring whose owner died without removing it (only
+/// decided for owners in our pid namespace; anything else is "not stale").
+pub fn looks_stale(path: &Path) -> bool {
     let mut head = [0u8; 48];
     let read = File::open(path).and_then(|mut f| f.read_exact(&mut head));
     let word = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().unwrap_or([0; 8]));

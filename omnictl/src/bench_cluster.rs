@@ -1,0 +1,200 @@
+//! `omnictl bench-cluster`: decode speed through real local clusters, side by
+//! side in one run: llama.cpp (the vendored source, in this process), one
+//! stage, and two stages over shared memory and over gRPC; plus the
+//! per-hop latency of each transport as the coordinator measures it (step
+//! round trip minus the stages' compute, divided by the hops).
+
+use crate::up::{LocalCluster, UpArgs};
+use anyhow::Context;
+use clap::Args;
+use omni_proto::coordinator::v1::{
+    generate_request::Prompt, inference_client::InferenceClient, GenerateRequest, TokenIds,
+};
+use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
+
+#[derive(Args, Debug)]
+pub struct BenchClusterArgs {
+    /// GGUF path or known model name.
+    #[arg(long, short)]
+    pub model: String,
+    /// Compute threads of each worker (and of llama.cpp).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Tokens to decode per run.
+    #[arg(long, default_value_t = 64)]
+    pub tg: usize,
+    /// Timed runs per configuration (after one warm-up); the median is reported.
+    #[arg(long, short, default_value_t = 3)]
+    pub runs: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Row {
+    name: &'static str,
+    tok_s: f64,
+    hop_p50: Option<f64>,
+    hop_p99: Option<f64>,
+}
+
+pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
+    let path = crate::resolve_model(&a.model)?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let tokenizer = omni_engine::Tokenizer::load(&path)?;
+    let prompt = tokenizer.encode("The history of the city begins", true, false)?;
+    let mut rows = Vec::new();
+
+    // llama.cpp from the same vendored source: decode rate from the
+    // difference of two runs, so the prompt's prefill cancels out.
+    let mut ref_runs = Vec::new();
+    for i in 0..=a.runs {
+        let t = Instant::now();
+        omni_engine::llama_cpp_greedy(&path, &prompt, 1, threads)?;
+        let one = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        omni_engine::llama_cpp_greedy(&path, &prompt, a.tg + 1, threads)?;
+        let all = t.elapsed().as_secs_f64();
+        if i > 0 {
+            ref_runs.push(a.tg as f64 / (all - one).max(1e-9));
+        }
+    }
+    rows.push(Row {
+        name: "llama.cpp (in process)",
+        tok_s: median(&mut ref_runs),
+        hop_p50: None,
+        hop_p99: None,
+    });
+
+    for (name, stages, transport) in [
+        ("1 stage", 1usize, "shm"),
+        ("2 stages, shm", 2, "shm"),
+        ("2 stages, grpc", 2, "grpc"),
+    ] {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let up = UpArgs {
+            model: a.model.clone(),
+            stages,
+            transport: transport.into(),
+            listen: listen.clone(),
+            ctx: 1024,
+            seqs: 1,
+            threads: Some(threads),
+            memory: None,
+            split: None,
+            layers: None,
+            metrics: None,
+            register_timeout: 60.0,
+        };
+        let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
+        let result = (|| {
+            cluster.wait_ready(&listen, Duration::from_secs(120))?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let mut runs = Vec::new();
+            for i in 0..=a.runs {
+                let r = rt.block_on(decode_rate(&listen, &prompt, a.tg))?;
+                if i > 0 {
+                    runs.push(r);
+                }
+            }
+            let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
+            anyhow::Ok(Row {
+                name,
+                tok_s: median(&mut runs),
+                hop_p50: Some(info.hop_us_p50),
+                hop_p99: Some(info.hop_us_p99),
+            })
+        })();
+        cluster.stop();
+        rows.push(result.with_context(|| format!("benchmark '{name}'"))?);
+    }
+
+    let reference = rows[0].tok_s;
+    let one_stage = rows[1].tok_s;
+    if a.json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "config": r.name, "decode_tok_s": r.tok_s,
+                    "vs_llama_cpp": r.tok_s / reference, "vs_one_stage": r.tok_s / one_stage,
+                    "hop_us_p50": r.hop_p50, "hop_us_p99": r.hop_p99,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "model": path, "threads_per_process": threads, "tg": a.tg, "runs": a.runs, "rows": v,
+            }))?
+        );
+        return Ok(());
+    }
+    println!(
+        "model {} | {threads} thread(s) per process | decode {} tokens, median of {}",
+        path.display(),
+        a.tg,
+        a.runs
+    );
+    println!(
+        "{:<24} {:>10} {:>10} {:>10} {:>12} {:>12}",
+        "config", "tok/s", "vs llama", "vs 1 stage", "hop p50 µs", "hop p99 µs"
+    );
+    for r in &rows {
+        let hop = |h: Option<f64>| h.map_or("-".to_string(), |v| format!("{v:.1}"));
+        println!(
+            "{:<24} {:>10.1} {:>9.2}x {:>9.2}x {:>12} {:>12}",
+            r.name,
+            r.tok_s,
+            r.tok_s / reference,
+            r.tok_s / one_stage,
+            hop(r.hop_p50),
+            hop(r.hop_p99)
+        );
+    }
+    Ok(())
+}
+
+/// Decode tokens per second of one greedy request: from the first token to
+/// the last, so the prefill is not counted.
+async fn decode_rate(addr: &str, prompt: &[u32], tg: usize) -> anyhow::Result<f64> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?;
+    let mut c = InferenceClient::new(ch);
+    let req = GenerateRequest {
+        prompt: Some(Prompt::Ids(TokenIds {
+            ids: prompt.to_vec(),
+        })),
+        max_tokens: (tg + 1) as u32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut stream = c.generate(req).await?.into_inner();
+    let (mut first, mut last, mut n) = (None, Instant::now(), 0usize);
+    while let Some(ev) = stream.next().await {
+        let ev = ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+        for _ in ev.tokens {
+            n += 1;
+            last = Instant::now();
+            first.get_or_insert(last);
+        }
+    }
+    let first = first.context("no tokens")?;
+    Ok((n - 1) as f64 / (last - first).as_secs_f64().max(1e-9))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
