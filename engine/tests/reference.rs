@@ -272,7 +272,9 @@ fn qwen2_tokenizer_matches_llama_cpp() {
 /// difference is allowed only where the solo run was a near tie (top-2
 /// logits within 0.1), and the test shows it.
 /// Batched steps use other matmul kernels (many-row gemm instead of one-row
-/// gemv) and other flash-attention tiling, so their float rounding differs.
+/// gemv) and another flash-attention path (one query row accumulates V in
+/// FP16, many rows take the tiled FP32 path), so their rounding differs: the
+/// test prints the top-2 logit drift (measured up to 1.29 for Gemma 3).
 /// The near-tie bound is 0.1; measured differences flipped ties of
 /// up to 0.133, so this bound is 0.15 (see the closing notes).
 const NEAR_TIE: f32 = 0.15;
@@ -295,9 +297,10 @@ fn check_batched(model_file: &str, fixture: &str) {
     for prompt in &prompts {
         engine.remove_seq(0);
         let mut logits = engine.prefill(0, prompt, 0).unwrap();
-        let (mut toks, mut gaps) = (Vec::new(), Vec::new());
+        let (mut toks, mut gaps, mut tops) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..STEPS {
             let top = omni_engine::sampling::top_k_logits(&logits, 2);
+            tops.push(top.clone());
             gaps.push(top[0].1 - top[1].1);
             let t = greedy(&logits);
             toks.push(t);
@@ -305,7 +308,7 @@ fn check_batched(model_file: &str, fixture: &str) {
             b.push(t, (prompt.len() + i) as i32, 0, true);
             logits = engine.step(&b).unwrap().row(0).to_vec();
         }
-        solo.push((toks, gaps));
+        solo.push((toks, gaps, tops));
     }
     engine.remove_seq(0);
 
@@ -336,9 +339,16 @@ fn check_batched(model_file: &str, fixture: &str) {
         pending.retain(|(s, done)| *done < prompts[*s].len());
     }
     let mut batched: Vec<Vec<u32>> = vec![Vec::new(); N];
+    let mut drift = [0f32; N];
     for i in 0..STEPS {
         let mut b = Batch::default();
         for s in 0..N {
+            // Logit drift against the solo run while the two agree so far.
+            if batched[s] == solo[s].0[..i] {
+                for &(id, v) in &solo[s].2[i] {
+                    drift[s] = drift[s].max((last[s][id as usize] - v).abs());
+                }
+            }
             let t = greedy(&last[s]);
             batched[s].push(t);
             b.push(t, (prompts[s].len() + i) as i32, s as u32, true);
@@ -349,7 +359,11 @@ fn check_batched(model_file: &str, fixture: &str) {
         }
     }
     for s in 0..N {
-        let (toks, gaps) = &solo[s];
+        let (toks, gaps, _) = &solo[s];
+        eprintln!(
+            "sequence {s}: max top-2 logit drift batched vs solo {:.4}",
+            drift[s]
+        );
         match toks.iter().zip(&batched[s]).position(|(a, b)| a != b) {
             None => eprintln!("sequence {s}: {STEPS} tokens identical batched and solo"),
             Some(i) => {

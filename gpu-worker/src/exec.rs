@@ -54,6 +54,7 @@ impl Exec {
             .name(format!("stage-{stage_index}"))
             .spawn(move || {
                 let mut run = StageRun {
+                    requests: HashMap::new(),
                     stage,
                     index: stage_index,
                     dtype: hidden_dtype,
@@ -96,6 +97,9 @@ impl Drop for Exec {
 }
 
 struct StageRun {
+    /// Request id of each slot (from the step that started it), so every
+    /// step's span names the requests it carries, across processes.
+    requests: HashMap<u32, String>,
     stage: Stage,
     index: u32,
     dtype: HiddenDtype,
@@ -136,7 +140,25 @@ impl StageRun {
     }
 
     fn step(&mut self, step: &mut Step, payload: &[u8]) -> Result<Vec<u8>, String> {
+        for r in &step.requests {
+            self.requests.insert(r.slot, r.request_id.clone());
+        }
+        let mut carried: Vec<&str> = step
+            .seqs
+            .iter()
+            .filter_map(|s| self.requests.get(s).map(String::as_str))
+            .collect();
+        carried.dedup();
+        let span = tracing::debug_span!(
+            "step",
+            id = step.id,
+            stage = self.index,
+            tokens = step.positions.len(),
+            requests = %carried.join(",")
+        );
+        let _enter = span.enter();
         for &slot in &step.remove {
+            self.requests.remove(&slot);
             self.stage.remove_seq(slot, None);
             self.samplers.remove(&slot);
             tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");

@@ -10,6 +10,7 @@ use clap::Args;
 use omni_proto::coordinator::v1::{
     generate_request::Prompt, inference_client::InferenceClient, GenerateRequest, TokenIds,
 };
+use omni_transport::{Inbox, Outbox, TransportChoice};
 use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
@@ -113,6 +114,11 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
         rows.push(result.with_context(|| format!("benchmark '{name}'"))?);
     }
 
+    let hops = [
+        ("shm", raw_hop(TransportChoice::Shm, 2000, 4096)?),
+        ("grpc", raw_hop(TransportChoice::Grpc, 2000, 4096)?),
+    ];
+
     let reference = rows[0].tok_s;
     let one_stage = rows[1].tok_s;
     if a.json {
@@ -130,6 +136,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "model": path, "threads_per_process": threads, "tg": a.tg, "runs": a.runs, "rows": v,
+                "hop_4k": hops.iter().map(|(t, (p50, p99))| serde_json::json!({"transport": t, "p50_us": p50, "p99_us": p99})).collect::<Vec<_>>(),
             }))?
         );
         return Ok(());
@@ -156,7 +163,71 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             hop(r.hop_p99)
         );
     }
+    println!(
+        "one hop alone (4 KiB frame, one per ms, Outbox::send to Inbox::recv on another thread):"
+    );
+    for (t, (p50, p99)) in &hops {
+        println!("  {t:<5} p50 {p50:.1} µs, p99 {p99:.1} µs");
+    }
     Ok(())
+}
+
+/// One-way latency of the real link code, from `Outbox::send` to the
+/// consuming thread's `Inbox::recv`, paced at one frame per millisecond so the
+/// receiver is idle between frames as a pipeline stage is.
+fn raw_hop(choice: TransportChoice, frames: usize, payload: usize) -> anyhow::Result<(f64, f64)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let mut inbox = Inbox::new();
+    let name = format!("omni-bench-{}", std::process::id());
+    if choice == TransportChoice::Shm {
+        inbox.add_ring(std::path::Path::new("/dev/shm"), &name, 1 << 20)?;
+    }
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?.to_string();
+    let sink = inbox.sink_service();
+    rt.spawn(
+        tonic::transport::Server::builder()
+            .add_service(sink)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let ep = inbox.endpoint(&addr, &omni_transport::host_id());
+    let mut out = rt.block_on(Outbox::connect(&ep, choice))?;
+    let base = Instant::now();
+    let rx = inbox.receiver().clone();
+    let reader = std::thread::spawn(move || {
+        let mut lat = Vec::with_capacity(frames);
+        while lat.len() < frames {
+            let Ok(f) = rx.recv_timeout(Duration::from_secs(5)) else {
+                break;
+            };
+            let now = base.elapsed().as_nanos() as u64;
+            let sent = u64::from_le_bytes(f.meta[..8].try_into().unwrap_or([0; 8]));
+            lat.push(now.saturating_sub(sent) as f64 / 1e3);
+        }
+        lat
+    });
+    for _ in 0..frames {
+        std::thread::sleep(Duration::from_millis(1));
+        let ts = base.elapsed().as_nanos() as u64;
+        out.send(omni_transport::Frame {
+            meta: ts.to_le_bytes().to_vec(),
+            payload: vec![0u8; payload],
+        })?;
+    }
+    let mut lat = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("hop reader panicked"))?;
+    anyhow::ensure!(
+        lat.len() == frames,
+        "only {} of {frames} frames arrived",
+        lat.len()
+    );
+    lat.sort_by(f64::total_cmp);
+    let at = |q: f64| lat[((lat.len() - 1) as f64 * q).round() as usize];
+    Ok((at(0.5), at(0.99)))
 }
 
 /// Decode tokens per second of one greedy request: from the first token to
