@@ -1,1 +1,3 @@
 //! router: the OpenAI-compatible HTTP API. Filled by the router issue.
+
+pub mod openai;
