@@ -19,7 +19,7 @@ use crossbeam_channel::{select, Receiver};
 use omni_engine::sampling::{SamplingParams, StopMatcher};
 use omni_engine::tokenizer::{StreamDecoder, Tokenizer};
 use omni_proto::coordinator::v1::{Done, FinishReason, GenerateEvent, Token};
-use omni_proto::worker::v1::{SeqStart, SlotRequest, Step};
+use omni_proto::worker::v1::{SeqStart, SlotRequest, Step, TopLogprob};
 use omni_transport::{Frame, Outbox};
 use prost::Message;
 use std::collections::{HashMap, VecDeque};
@@ -432,7 +432,15 @@ impl Scheduler {
             tokens: vec![Token {
                 id: tok,
                 logprob: sampled.logprob,
-                top: sampled.top.clone(),
+                top: sampled
+                    .top
+                    .iter()
+                    .map(|t| TopLogprob {
+                        piece: self.tokenizer.text_of(t.token),
+                        ..t.clone()
+                    })
+                    .collect(),
+                piece: self.tokenizer.text_of(tok),
             }],
             ..Default::default()
         };

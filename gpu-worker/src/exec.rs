@@ -244,7 +244,11 @@ impl StageRun {
             let top = if s.top_logprobs > 0 {
                 top_logprobs(l, s.top_logprobs)
                     .into_iter()
-                    .map(|(token, logprob)| TopLogprob { token, logprob })
+                    .map(|(token, logprob)| TopLogprob {
+                        token,
+                        logprob,
+                        piece: String::new(),
+                    })
                     .collect()
             } else {
                 Vec::new()

@@ -87,6 +87,8 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             split: None,
             layers: None,
             metrics: None,
+            port: 0,
+            api_key: None,
             register_timeout: 60.0,
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;

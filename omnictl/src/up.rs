@@ -46,6 +46,12 @@ pub struct UpArgs {
     /// Coordinator metrics listen address (GET /metrics).
     #[arg(long)]
     pub metrics: Option<String>,
+    /// Also start the OpenAI router on this port (0: no router).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// API key the router requires (also OMNI_API_KEYS); none: open.
+    #[arg(long)]
+    pub api_key: Option<String>,
     /// Extra seconds the workers may take to register.
     #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
@@ -131,6 +137,23 @@ impl LocalCluster {
             cluster
                 .children
                 .push((name.clone(), spawn_logged(&name, w, quiet)?));
+        }
+        if a.port != 0 {
+            let name = model
+                .file_stem()
+                .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+            let mut r = Command::new(sibling_binary("omni-router")?);
+            r.args(["--listen", &format!("127.0.0.1:{}", a.port)])
+                .args([
+                    "--model",
+                    &format!("{name}={},{},default", a.listen, a.model),
+                ]);
+            if let Some(k) = &a.api_key {
+                r.args(["--api-key", k]);
+            }
+            cluster
+                .children
+                .push(("router".into(), spawn_logged("router", r, quiet)?));
         }
         Ok(cluster)
     }
@@ -225,6 +248,12 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
                         "omnictl: try: omnictl generate --coordinator {} --prompt \"The capital of France is\" -n 32",
                         a.listen
                     );
+                    if a.port != 0 {
+                        eprintln!(
+                            "omnictl: OpenAI API at http://127.0.0.1:{}/v1 (model \"{}\")",
+                            a.port, a.model
+                        );
+                    }
                 }
             }
         }

@@ -56,8 +56,13 @@ fn token(id: u32, logprob: f32, top: &[(u32, f32)]) -> Token {
         logprob: Some(logprob),
         top: top
             .iter()
-            .map(|&(token, logprob)| TopLogprob { token, logprob })
+            .map(|&(token, logprob)| TopLogprob {
+                token,
+                logprob,
+                piece: String::new(),
+            })
             .collect(),
+        piece: String::new(),
     }
 }
 

@@ -427,11 +427,13 @@ fn omnictl_up_serves_and_stops_cleanly_on_ctrl_c() {
     let before = rings();
     let dir = tempfile::tempdir().unwrap();
     let addr = format!("127.0.0.1:{}", omni_tests::free_port());
+    let port = omni_tests::free_port();
     let mut cmd = std::process::Command::new(omni_tests::target_bin("omnictl"));
     cmd.args(["up", "--stages", "2", "--threads", "1", "--ctx", "512"])
         .arg("--model")
         .arg(model(GEMMA))
-        .args(["--listen", &addr]);
+        .args(["--listen", &addr])
+        .args(["--port", &port.to_string()]);
     let mut up = omni_tests::Proc::spawn("omnictl-up", cmd, dir.path());
     let deadline = Instant::now() + Duration::from_secs(120);
     while !up.log_text().contains("omnictl: ready") {
@@ -467,8 +469,12 @@ fn omnictl_up_serves_and_stops_cleanly_on_ctrl_c() {
     let got: Vec<u32> = omni_tests::fixtures::ids(&report["generated_ids"]);
     assert_eq!(got, reference(GEMMA, &[prompt]).remove(0)[..8]);
 
+    // The OpenAI endpoint is up too.
+    let models = http_get(&format!("127.0.0.1:{port}"), "/v1/models");
+    assert!(models.contains("\"object\":\"list\""), "{models}");
+
     let log = up.log_text();
-    for name in ["[coordinator]", "[w0]", "[w1]"] {
+    for name in ["[coordinator]", "[w0]", "[w1]", "[router]"] {
         assert!(log.contains(name), "log lines carry {name}:\n{log}");
     }
     let pid = up.child.id().to_string();

@@ -1,0 +1,506 @@
+//! The HTTP side: axum routes for the OpenAI API, authentication, the
+//! in-flight bound, body limits, health, readiness and metrics. Each request
+//! becomes `n` Generate calls on the model's coordinator; streaming responses
+//! are SSE, and a client that goes away drops the gRPC streams, which
+//! cancels the sequences in the cluster.
+
+use crate::openai::{
+    self, choice_request, from_status, parse_json, sse_data, ApiError, ChatCompletion,
+    ChatCompletionRequest, ChatStream, Completion, CompletionRequest, CompletionStream, Generated,
+    ModelList, Usage, SSE_DONE,
+};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use omni_proto::coordinator::v1::{
+    inference_client::InferenceClient, GenerateEvent, GenerateRequest, InfoRequest,
+};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_stream::{Stream, StreamExt};
+use tonic::transport::Channel;
+
+/// One served model: its name, aliases and the coordinator behind it.
+#[derive(Clone)]
+pub struct Backend {
+    pub name: String,
+    pub aliases: Vec<String>,
+    pub client: InferenceClient<Channel>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabel {
+    path: String,
+    status: u16,
+}
+
+pub struct Metrics {
+    requests: Family<StatusLabel, Counter<u64, AtomicU64>>,
+    in_flight: Gauge<i64>,
+    tokens_in: Counter<u64, AtomicU64>,
+    tokens_out: Counter<u64, AtomicU64>,
+    ttft: Histogram,
+    registry: prometheus_client::registry::Registry,
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let requests = Family::<StatusLabel, Counter<u64, AtomicU64>>::default();
+        let in_flight = Gauge::<i64>::default();
+        let (tokens_in, tokens_out) = (Counter::default(), Counter::default());
+        let ttft = Histogram::new(exponential_buckets(1.0, 2.0, 16));
+        let mut r = prometheus_client::registry::Registry::with_prefix("omni_router");
+        r.register(
+            "requests",
+            "HTTP requests by path and status",
+            requests.clone(),
+        );
+        r.register("in_flight", "Requests being served", in_flight.clone());
+        r.register("tokens_in", "Prompt tokens", tokens_in.clone());
+        r.register("tokens_out", "Generated tokens", tokens_out.clone());
+        r.register(
+            "time_to_first_token_ms",
+            "Arrival to first token, milliseconds (as the coordinator measured it)",
+            ttft.clone(),
+        );
+        Metrics {
+            requests,
+            in_flight,
+            tokens_in,
+            tokens_out,
+            ttft,
+            registry: r,
+        }
+    }
+
+    fn count(&self, path: &str, status: StatusCode) {
+        self.requests
+            .get_or_create(&StatusLabel {
+                path: path.to_string(),
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+
+    fn done(&self, outputs: &[Generated]) {
+        let u = Usage::of(outputs);
+        self.tokens_in.inc_by(u.prompt_tokens as u64);
+        self.tokens_out.inc_by(u.completion_tokens as u64);
+        for g in outputs {
+            if let Some(d) = g.done {
+                self.ttft.observe(d.time_to_first_token_ms);
+            }
+        }
+    }
+}
+
+pub struct AppState {
+    pub backends: Vec<Backend>,
+    pub api_keys: Vec<String>,
+    pub limit: Arc<Semaphore>,
+    pub max_in_flight: usize,
+    pub body_limit: usize,
+    pub metrics: Metrics,
+    /// When the router started (the models' `created`).
+    pub started: u64,
+}
+
+impl AppState {
+    pub fn new(
+        backends: Vec<Backend>,
+        api_keys: Vec<String>,
+        max_in_flight: usize,
+        body_limit: usize,
+    ) -> AppState {
+        AppState {
+            backends,
+            api_keys,
+            limit: Arc::new(Semaphore::new(max_in_flight)),
+            max_in_flight,
+            body_limit,
+            metrics: Metrics::new(),
+            started: openai::unix_now(),
+        }
+    }
+
+    fn backend(&self, model: &str) -> Result<&Backend, ApiError> {
+        self.backends
+            .iter()
+            .find(|b| b.name == model || b.aliases.iter().any(|a| a == model))
+            .ok_or_else(|| {
+                let names: Vec<String> = self.backends.iter().map(|b| b.name.clone()).collect();
+                ApiError::model_not_found(model, &names)
+            })
+    }
+}
+
+type Shared = Arc<AppState>;
+
+pub fn app(state: Shared) -> Router {
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route(
+            "/health",
+            get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(|req: Request| async move {
+            ApiError::route_not_found(req.method().as_str(), req.uri().path())
+        })
+        .with_state(state)
+}
+
+fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if state.api_keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        None => Err(ApiError::missing_api_key()),
+        Some(k) if state.api_keys.iter().any(|a| a == k) => Ok(()),
+        Some(_) => Err(ApiError::invalid_api_key()),
+    }
+}
+
+async fn models(State(state): State<Shared>, headers: HeaderMap) -> Response {
+    let r = check_key(&state, &headers).map(|_| {
+        let ids = state
+            .backends
+            .iter()
+            .flat_map(|b| std::iter::once(b.name.clone()).chain(b.aliases.iter().cloned()));
+        axum::Json(ModelList::new(ids, state.started)).into_response()
+    });
+    finish(&state, "/v1/models", r)
+}
+
+async fn ready(State(state): State<Shared>) -> Response {
+    let mut not_ready = Vec::new();
+    for b in &state.backends {
+        let mut c = b.client.clone();
+        match tokio::time::timeout(Duration::from_secs(2), c.info(InfoRequest {})).await {
+            Ok(Ok(info)) if info.get_ref().ready => {}
+            Ok(Ok(info)) => not_ready.push(format!("{}: {}", b.name, info.get_ref().state)),
+            Ok(Err(s)) => not_ready.push(format!("{}: {}", b.name, s.message())),
+            Err(_) => not_ready.push(format!("{}: no answer within 2 s", b.name)),
+        }
+    }
+    if not_ready.is_empty() {
+        axum::Json(serde_json::json!({"status": "ready"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({"status": "not ready", "backends": not_ready})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<Shared>) -> Response {
+    let busy = state.max_in_flight - state.limit.available_permits();
+    state.metrics.in_flight.set(busy as i64);
+    let mut s = String::new();
+    prometheus_client::encoding::text::encode(&mut s, &state.metrics.registry)
+        .expect("writing to a String");
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s,
+    )
+        .into_response()
+}
+
+fn finish(state: &AppState, path: &str, r: Result<Response, ApiError>) -> Response {
+    let resp = r.unwrap_or_else(IntoResponse::into_response);
+    state.metrics.count(path, resp.status());
+    resp
+}
+
+/// Auth, the in-flight bound, content type and body size: everything before
+/// the body is parsed.
+async fn admit(state: &AppState, req: Request) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
+    check_key(state, req.headers())?;
+    let permit = state
+        .limit
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::rate_limited(state.max_in_flight, 1))?;
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let is_json = ct
+        .as_deref()
+        .is_some_and(|c| c.split(';').next().unwrap_or("").trim() == "application/json");
+    if !is_json {
+        return Err(ApiError::unsupported_media_type(ct.as_deref()));
+    }
+    let body = axum::body::to_bytes(req.into_body(), state.body_limit)
+        .await
+        .map_err(|_| ApiError::body_too_large(state.body_limit))?;
+    Ok((body, permit))
+}
+
+/// Runs one Generate call to its end.
+async fn run_one(
+    mut client: InferenceClient<Channel>,
+    req: GenerateRequest,
+) -> Result<Generated, tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut g = Generated::default();
+    while let Some(ev) = stream.next().await {
+        g.push(&ev?);
+    }
+    Ok(g)
+}
+
+/// Texts of every token (and alternative) the events carried.
+fn token_texts(outputs: &[Generated]) -> HashMap<u32, String> {
+    let mut m = HashMap::new();
+    for g in outputs {
+        for t in &g.tokens {
+            m.insert(t.id, t.piece.clone());
+            for a in &t.top {
+                m.insert(a.token, a.piece.clone());
+            }
+        }
+    }
+    m
+}
+
+fn texts_of(ev: &GenerateEvent) -> HashMap<u32, String> {
+    let mut m = HashMap::new();
+    for t in &ev.tokens {
+        m.insert(t.id, t.piece.clone());
+        for a in &t.top {
+            m.insert(a.token, a.piece.clone());
+        }
+    }
+    m
+}
+
+/// All choices' events merged into one stream: (choice index, event).
+async fn open_streams(
+    backend: &Backend,
+    base: &GenerateRequest,
+    n: u32,
+) -> Result<impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)>, tonic::Status> {
+    let mut merged = tokio_stream::StreamMap::new();
+    for i in 0..n {
+        let mut c = backend.client.clone();
+        let s = c.generate(choice_request(base, i)).await?.into_inner();
+        merged.insert(i, s);
+    }
+    Ok(merged)
+}
+
+async fn chat(State(state): State<Shared>, req: Request) -> Response {
+    let r = chat_inner(&state, req).await;
+    finish(&state, "/v1/chat/completions", r)
+}
+
+async fn chat_inner(state: &Shared, req: Request) -> Result<Response, ApiError> {
+    let (body, permit) = admit(state, req).await?;
+    let r: ChatCompletionRequest = parse_json(&body)?;
+    let gen = r.to_generate()?;
+    let backend = state.backend(&r.model)?.clone();
+    let (n, logprobs) = (r.n(), r.logprobs());
+    if r.stream() {
+        let merged = open_streams(&backend, &gen, n)
+            .await
+            .map_err(|s| from_status(&s).in_chat())?;
+        let st = ChatStream::new(&r.model, r.include_usage(), logprobs);
+        return Ok(sse(chat_sse(st, merged, n, state.clone(), permit)));
+    }
+    let mut calls = Vec::new();
+    for i in 0..n {
+        calls.push(tokio::spawn(run_one(
+            backend.client.clone(),
+            choice_request(&gen, i),
+        )));
+    }
+    let mut outputs = Vec::new();
+    for c in calls {
+        let g = c
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|s| from_status(&s).in_chat())?;
+        outputs.push(g);
+    }
+    drop(permit);
+    state.metrics.done(&outputs);
+    let texts = token_texts(&outputs);
+    let body = ChatCompletion::build(
+        openai::new_id("chatcmpl-"),
+        openai::unix_now(),
+        &r.model,
+        &outputs,
+        logprobs,
+        |t| texts.get(&t).cloned().unwrap_or_default(),
+    );
+    Ok(axum::Json(body).into_response())
+}
+
+async fn completions(State(state): State<Shared>, req: Request) -> Response {
+    let r = completions_inner(&state, req).await;
+    finish(&state, "/v1/completions", r)
+}
+
+async fn completions_inner(state: &Shared, req: Request) -> Result<Response, ApiError> {
+    let (body, permit) = admit(state, req).await?;
+    let r: CompletionRequest = parse_json(&body)?;
+    let gen = r.to_generate()?;
+    let backend = state.backend(&r.model)?.clone();
+    let (n, logprobs) = (r.n(), r.logprobs());
+    if r.stream() {
+        let merged = open_streams(&backend, &gen, n)
+            .await
+            .map_err(|s| from_status(&s).in_completions())?;
+        let st = CompletionStream::new(&r.model, r.include_usage(), logprobs);
+        return Ok(sse(completion_sse(st, merged, n, state.clone(), permit)));
+    }
+    let mut calls = Vec::new();
+    for i in 0..n {
+        calls.push(tokio::spawn(run_one(
+            backend.client.clone(),
+            choice_request(&gen, i),
+        )));
+    }
+    let mut outputs = Vec::new();
+    for c in calls {
+        let g = c
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|s| from_status(&s).in_completions())?;
+        outputs.push(g);
+    }
+    drop(permit);
+    state.metrics.done(&outputs);
+    let texts = token_texts(&outputs);
+    let body = Completion::build(
+        openai::new_id("cmpl-"),
+        openai::unix_now(),
+        &r.model,
+        &outputs,
+        logprobs,
+        |t| texts.get(&t).cloned().unwrap_or_default(),
+    );
+    Ok(axum::Json(body).into_response())
+}
+
+fn sse(stream: impl Stream<Item = String> + Send + 'static) -> Response {
+    let body = Body::from_stream(stream.map(Ok::<_, std::convert::Infallible>));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .expect("a valid response")
+}
+
+/// The chat SSE body. The permit is held until the stream ends or the
+/// client goes away (dropping this stream drops the gRPC streams, which
+/// cancels the sequences in the cluster).
+fn chat_sse(
+    st: ChatStream,
+    mut merged: impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)> + Unpin + Send + 'static,
+    n: u32,
+    state: Shared,
+    permit: OwnedSemaphorePermit,
+) -> impl Stream<Item = String> + Send + 'static {
+    async_stream::stream! {
+        let _permit = permit;
+        for i in 0..n {
+            yield sse_data(&st.role(i));
+        }
+        let mut outputs = vec![Generated::default(); n as usize];
+        let mut ended = 0;
+        while let Some((i, ev)) = merged.next().await {
+            match ev {
+                Ok(ev) => {
+                    let texts = texts_of(&ev);
+                    outputs[i as usize].push(&ev);
+                    for c in st.event(i, &ev, |t| texts.get(&t).cloned().unwrap_or_default()) {
+                        yield sse_data(&c);
+                    }
+                    if ev.done.is_some() {
+                        ended += 1;
+                    }
+                }
+                Err(s) => {
+                    yield from_status(&s).in_chat().sse();
+                    return;
+                }
+            }
+        }
+        if ended < n {
+            yield ApiError::unavailable("the cluster ended the stream early").sse();
+            return;
+        }
+        state.metrics.done(&outputs);
+        if st.include_usage {
+            yield sse_data(&st.usage(Usage::of(&outputs)));
+        }
+        yield SSE_DONE.to_string();
+    }
+}
+
+fn completion_sse(
+    mut st: CompletionStream,
+    mut merged: impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)> + Unpin + Send + 'static,
+    n: u32,
+    state: Shared,
+    permit: OwnedSemaphorePermit,
+) -> impl Stream<Item = String> + Send + 'static {
+    async_stream::stream! {
+        let _permit = permit;
+        let mut outputs = vec![Generated::default(); n as usize];
+        let mut ended = 0;
+        while let Some((i, ev)) = merged.next().await {
+            match ev {
+                Ok(ev) => {
+                    let texts = texts_of(&ev);
+                    outputs[i as usize].push(&ev);
+                    for c in st.event(i, &ev, |t| texts.get(&t).cloned().unwrap_or_default()) {
+                        yield sse_data(&c);
+                    }
+                    if ev.done.is_some() {
+                        ended += 1;
+                    }
+                }
+                Err(s) => {
+                    yield from_status(&s).in_completions().sse();
+                    return;
+                }
+            }
+        }
+        if ended < n {
+            yield ApiError::unavailable("the cluster ended the stream early").sse();
+            return;
+        }
+        state.metrics.done(&outputs);
+        if st.include_usage {
+            yield sse_data(&st.usage(Usage::of(&outputs)));
+        }
+        yield SSE_DONE.to_string();
+    }
+}

@@ -1,0 +1,316 @@
+//! End-to-end: the OpenAI router in front of a real cluster serving Gemma 3,
+//! driven over real HTTP the way an OpenAI client does.
+
+use omni_engine::{Engine, GenerateOptions, StageConfig};
+use omni_tests::fixtures::{model, GEMMA};
+use omni_tests::{free_port, target_bin, Cluster, ClusterSpec, Proc};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// One HTTP/1.1 request; the status and the body (chunked bodies decoded).
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> (u16, String) {
+    http(
+        addr,
+        "POST",
+        path,
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", "Bearer sk-test"),
+        ],
+        body.to_string().as_bytes(),
+    )
+}
+
+struct Served {
+    router: Proc,
+    _cluster: Cluster,
+    _dir: tempfile::TempDir,
+    addr: String,
+}
+
+/// One cluster at a time: the machine has two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serve(extra: &[&str]) -> Served {
+    let cluster = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
+    let addr = format!("127.0.0.1:{}", free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(target_bin("omni-router"));
+    cmd.args(["--listen", &addr])
+        .args(["--model", &format!("gemma3-270m={},gemma", cluster.addr)])
+        .args(["--api-key", "sk-test"])
+        .args(extra);
+    let router = Proc::spawn("router", cmd, dir.path());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "router not up:\n{}",
+            router.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Served {
+        router,
+        _cluster: cluster,
+        _dir: dir,
+        addr,
+    }
+}
+
+/// The single-process engine's greedy text for a raw prompt.
+fn engine_text(prompt: &str, n: usize) -> String {
+    let cfg = StageConfig {
+        kv: omni_engine::KvConfig {
+            n_ctx: 512,
+            n_seq: 1,
+        },
+        n_threads: 2,
+        ..StageConfig::default()
+    };
+    let mut e = Engine::load(model(GEMMA), None, cfg).unwrap();
+    let ids = e.tokenize_prompt(prompt, false).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: n,
+        ..GenerateOptions::default()
+    };
+    e.generate(&ids, &opts, &mut |_| {}).unwrap().text
+}
+
+#[test]
+fn openai_api_end_to_end() {
+    let prompt = "The capital of France is";
+    let want = engine_text(prompt, 12);
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = serve(&[]);
+    let a = &s.addr;
+
+    // Models, with aliases.
+    let (st, body) = http(
+        a,
+        "GET",
+        "/v1/models",
+        &[("Authorization", "Bearer sk-test")],
+        b"",
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["gemma3-270m", "gemma"]);
+
+    // Completions, greedy: the engine's text.
+    let req = json!({"model": "gemma", "prompt": prompt, "max_tokens": 12, "temperature": 0});
+    let (st, body) = post(a, "/v1/completions", &req);
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+
+    // The same, streamed with usage: the deltas add up to the same text,
+    // every chunk has one id, usage comes last, then [DONE].
+    let req = json!({"model": "gemma", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                     "stream": true, "stream_options": {"include_usage": true}});
+    let (st, body) = post(a, "/v1/completions", &req);
+    assert_eq!(st, 200, "{body}");
+    let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(*events.last().unwrap(), "data: [DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+        .collect();
+    let id = chunks[0]["id"].clone();
+    assert!(chunks.iter().all(|c| c["id"] == id));
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0).and_then(|x| x["text"].as_str()))
+        .collect();
+    assert_eq!(text, want);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(last["usage"]["completion_tokens"], 12);
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c["usage"].is_null()));
+
+    // Chat, with a stop string that must not leak, and n = 2 seeded choices.
+    let req = json!({"model": "gemma3-270m", "messages": [{"role": "user", "content": "Count: 1, 2, 3,"}],
+                     "max_tokens": 16, "temperature": 0, "stop": [","], "n": 2});
+    let (st, body) = post(a, "/v1/chat/completions", &req);
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    for c in v["choices"].as_array().unwrap() {
+        assert!(
+            !c["message"]["content"].as_str().unwrap().contains(','),
+            "{c}"
+        );
+        assert_eq!(c["message"]["role"], "assistant");
+    }
+
+    // Logprobs in chat.
+    let req = json!({"model": "gemma", "messages": [{"role": "user", "content": "Hi"}],
+                     "max_tokens": 3, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (st, body) = post(a, "/v1/chat/completions", &req);
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+
+    // Client mistakes are 4xx in the OpenAI error shape.
+    let err = |st: u16, body: &str, want_status: u16, needle: &str| {
+        assert_eq!(st, want_status, "{body}");
+        let v: Value = serde_json::from_str(body).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{msg}");
+    };
+    let (st, body) = http(a, "GET", "/v1/models", &[], b"");
+    err(st, &body, 401, "API key");
+    let (st, body) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    err(st, &body, 404, "nope");
+    let (st, body) = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": "gemma", "messages": [{"role": "user", "content": "x"}], "temperature": 3.5}),
+    );
+    err(st, &body, 400, "temperature");
+    let (st, body) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", "Bearer sk-test"),
+        ],
+        b"{not json",
+    );
+    assert_eq!(st, 400, "{body}");
+    let (st, body) = http(
+        a,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("Content-Type", "text/plain"),
+            ("Authorization", "Bearer sk-test"),
+        ],
+        b"{}",
+    );
+    assert_eq!(st, 415, "{body}");
+    let long = "word ".repeat(3000);
+    let (st, body) = post(
+        a,
+        "/v1/completions",
+        &json!({"model": "gemma", "prompt": long, "max_tokens": 4}),
+    );
+    err(st, &body, 400, "context");
+
+    // Health, readiness, metrics.
+    assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
+    assert_eq!(http(a, "GET", "/ready", &[], b"").0, 200);
+    let (_, m) = http(a, "GET", "/metrics", &[], b"");
+    assert!(m.contains("omni_router_requests_total"), "{m}");
+    assert!(m.contains("omni_router_tokens_out_total"), "{m}");
+    drop(s.router);
+}
+
+/// Past the in-flight bound the router answers 429 with Retry-After, while
+/// the accepted request finishes.
+#[test]
+fn flooding_past_the_limit_gets_429_and_accepted_requests_finish() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = serve(&["--max-in-flight", "1"]);
+    let a = s.addr.clone();
+    let long = std::thread::spawn(move || {
+        post(
+            &a,
+            "/v1/completions",
+            &json!({"model": "gemma", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": true}),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut rejected = 0;
+    for _ in 0..5 {
+        let (st, body) = http(
+            &s.addr,
+            "POST",
+            "/v1/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("Authorization", "Bearer sk-test"),
+            ],
+            json!({"model": "gemma", "prompt": "x", "max_tokens": 2})
+                .to_string()
+                .as_bytes(),
+        );
+        if st == 429 {
+            rejected += 1;
+            assert!(body.contains("rate_limit_exceeded"), "{body}");
+        }
+    }
+    assert!(
+        rejected >= 4,
+        "expected 429s while the first request runs, got {rejected}"
+    );
+    let (st, body) = long.join().unwrap();
+    assert_eq!(st, 200, "{body}");
+}
