@@ -1264,6 +1264,9 @@ pub struct AssistantMessage {
     pub role: &'static str,
     pub content: String,
     pub refusal: Option<String>,
+    /// URL citations and the like; omni produces none, but clients and
+    /// validators expect the field.
+    pub annotations: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -1306,6 +1309,7 @@ impl ChatCompletion {
                     role: "assistant",
                     content: g.text.clone(),
                     refusal: None,
+                    annotations: Vec::new(),
                 },
                 logprobs: logprobs.then(|| chat_logprobs(&g.tokens, &token_text)),
                 finish_reason: g.finish_reason(),

@@ -873,7 +873,7 @@ fn chat_completion_json() {
     assert_eq!(c0["index"], 0);
     assert_eq!(
         c0["message"],
-        json!({"role": "assistant", "content": "Hello", "refusal": null})
+        json!({"role": "assistant", "content": "Hello", "refusal": null, "annotations": []})
     );
     assert_eq!(c0["finish_reason"], "length");
     assert_eq!(

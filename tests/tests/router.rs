@@ -314,3 +314,75 @@ fn flooding_past_the_limit_gets_429_and_accepted_requests_finish() {
     let (st, body) = long.join().unwrap();
     assert_eq!(st, 200, "{body}");
 }
+
+/// Streaming clients that disconnect mid-generation free their sequences:
+/// every worker's KV cache is empty again soon after.
+#[test]
+fn disconnecting_streaming_clients_frees_their_sequences() {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = serve(&[]);
+    let cluster = &s._cluster;
+    let addrs: Vec<String> = cluster
+        .info()
+        .unwrap()
+        .stages
+        .iter()
+        .map(|st| st.worker_addr.clone())
+        .collect();
+    let used = || -> Vec<u64> {
+        cluster.rt.block_on(async {
+            let mut out = Vec::new();
+            for a in &addrs {
+                let mut w = WorkerClient::connect(format!("http://{a}")).await.unwrap();
+                out.push(
+                    w.status(StatusRequest {})
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .kv_cells_used,
+                );
+            }
+            out
+        })
+    };
+    // Three streaming clients read a little, then hang up.
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let body = json!({"model": "gemma", "prompt": "Once upon a time", "max_tokens": 500,
+                          "temperature": 0, "ignore_eos": true, "stream": true})
+        .to_string();
+        let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer sk-test\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut buf = [0u8; 4096];
+        let mut seen = 0;
+        while seen < 3 {
+            let n = c.read(&mut buf).unwrap();
+            assert!(n > 0, "the stream closed early");
+            seen += String::from_utf8_lossy(&buf[..n]).matches("data: ").count();
+        }
+        clients.push(c);
+    }
+    let during = used();
+    eprintln!("KV cells in use while the clients are connected: {during:?}");
+    assert!(during.iter().all(|&u| u > 0), "{during:?}");
+    drop(clients);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let now = used();
+        if now.iter().all(|&u| u == 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "KV cells still in use 15 s after the clients left: {now:?}\n{}",
+            s.router.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
