@@ -2,6 +2,7 @@
 //! `openai` holds the API's types, validation and mapping; `server` the
 //! axum routes. The router links no tensor code.
 
+pub mod backends;
 pub mod openai;
 pub mod server;
 
@@ -25,6 +26,25 @@ pub struct RouterConfig {
         required = true
     )]
     pub models: Vec<String>,
+    /// An upstream OpenAI-compatible server: NAME=URL[#UPSTREAM_MODEL][,ALIAS...]
+    /// (repeatable), e.g. `big=http://10.0.0.5:8080/v1#deepseek-r1,deepseek`.
+    #[arg(
+        long = "upstream",
+        env = "OMNI_ROUTER_UPSTREAMS",
+        value_delimiter = ';'
+    )]
+    pub upstreams: Vec<String>,
+    /// Keys for upstreams: NAME=KEY (repeatable).
+    #[arg(
+        long = "upstream-key",
+        env = "OMNI_UPSTREAM_KEYS",
+        value_delimiter = ';'
+    )]
+    pub upstream_keys: Vec<String>,
+    /// Rules for the model name `auto`, tried in order:
+    /// `prompt_chars>2000=big;keyword:code=qwen;default=gemma`.
+    #[arg(long, env = "OMNI_ROUTER_AUTO")]
+    pub auto: Option<String>,
     /// API keys clients must send as `Authorization: Bearer KEY`
     /// (comma-separated); none means no authentication.
     #[arg(long = "api-key", env = "OMNI_API_KEYS", value_delimiter = ',')]
@@ -37,7 +57,7 @@ pub struct RouterConfig {
     pub body_limit: usize,
 }
 
-/// Parses `NAME=ADDR[,ALIAS...]`.
+/// Parses `NAME=ADDR[,ALIAS...]` (also `NAME=URL[,ALIAS...]`).
 fn parse_model(spec: &str) -> anyhow::Result<(String, String, Vec<String>)> {
     let (name, rest) = spec
         .split_once('=')
@@ -66,11 +86,53 @@ pub async fn run(cfg: RouterConfig) -> anyhow::Result<()> {
         backends.push(server::Backend {
             name,
             aliases,
-            client: InferenceClient::new(ch).max_decoding_message_size(64 << 20),
+            target: server::Target::Cluster(
+                InferenceClient::new(ch).max_decoding_message_size(64 << 20),
+            ),
         });
+    }
+    for spec in &cfg.upstreams {
+        let (name, url, aliases) = parse_model(spec)?;
+        let (base, model) = match url.split_once('#') {
+            Some((b, m)) => (b.to_string(), m.to_string()),
+            None => (url.clone(), name.clone()),
+        };
+        let key = cfg.upstream_keys.iter().find_map(|k| {
+            k.split_once('=')
+                .filter(|(n, _)| n.trim() == name)
+                .map(|(_, v)| v.trim().to_string())
+        });
+        tracing::info!(
+            "model {name} (aliases: {aliases:?}) passed to the upstream {base} as '{model}'"
+        );
+        backends.push(server::Backend {
+            name,
+            aliases,
+            target: server::Target::Upstream {
+                base: base.trim_end_matches('/').to_string(),
+                model,
+                key,
+            },
+        });
+    }
+    if backends.is_empty() {
+        anyhow::bail!("no models: give --model NAME=COORDINATOR_ADDR or --upstream NAME=URL");
+    }
+    let auto = match &cfg.auto {
+        Some(spec) => backends::parse_auto(spec).map_err(anyhow::Error::msg)?,
+        None => Vec::new(),
+    };
+    for (_, m) in &auto {
+        if !backends
+            .iter()
+            .any(|b| &b.name == m || b.aliases.contains(m))
+        {
+            anyhow::bail!("auto rule names model '{m}', which no --model or --upstream serves");
+        }
     }
     let state = Arc::new(server::AppState::new(
         backends,
+        auto,
         cfg.api_keys
             .iter()
             .filter(|k| !k.is_empty())

@@ -31,13 +31,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt};
 use tonic::transport::Channel;
 
-/// One served model: its name, aliases and the coordinator behind it.
-#[derive(Clone)]
-pub struct Backend {
-    pub name: String,
-    pub aliases: Vec<String>,
-    pub client: InferenceClient<Channel>,
-}
+pub use crate::backends::{Backend, Target};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabel {
@@ -107,6 +101,9 @@ impl Metrics {
 
 pub struct AppState {
     pub backends: Vec<Backend>,
+    /// Rules for the model name `auto`.
+    pub auto: Vec<(crate::backends::Rule, String)>,
+    http: reqwest::Client,
     pub api_keys: Vec<String>,
     pub limit: Arc<Semaphore>,
     pub max_in_flight: usize,
@@ -119,12 +116,15 @@ pub struct AppState {
 impl AppState {
     pub fn new(
         backends: Vec<Backend>,
+        auto: Vec<(crate::backends::Rule, String)>,
         api_keys: Vec<String>,
         max_in_flight: usize,
         body_limit: usize,
     ) -> AppState {
         AppState {
             backends,
+            auto,
+            http: reqwest::Client::new(),
             api_keys,
             limit: Arc::new(Semaphore::new(max_in_flight)),
             max_in_flight,
@@ -134,7 +134,13 @@ impl AppState {
         }
     }
 
-    fn backend(&self, model: &str) -> Result<&Backend, ApiError> {
+    /// The backend for `model`; `auto` goes by the rules on `prompt`.
+    fn backend(&self, model: &str, prompt: &str) -> Result<&Backend, ApiError> {
+        let model = if model == "auto" && !self.auto.is_empty() {
+            crate::backends::pick(&self.auto, prompt).unwrap_or(model)
+        } else {
+            model
+        };
         self.backends
             .iter()
             .find(|b| b.name == model || b.aliases.iter().any(|a| a == model))
@@ -182,10 +188,12 @@ fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 
 async fn models(State(state): State<Shared>, headers: HeaderMap) -> Response {
     let r = check_key(&state, &headers).map(|_| {
+        let auto = (!state.auto.is_empty()).then(|| "auto".to_string());
         let ids = state
             .backends
             .iter()
-            .flat_map(|b| std::iter::once(b.name.clone()).chain(b.aliases.iter().cloned()));
+            .flat_map(|b| std::iter::once(b.name.clone()).chain(b.aliases.iter().cloned()))
+            .chain(auto);
         axum::Json(ModelList::new(ids, state.started)).into_response()
     });
     finish(&state, "/v1/models", r)
@@ -194,7 +202,10 @@ async fn models(State(state): State<Shared>, headers: HeaderMap) -> Response {
 async fn ready(State(state): State<Shared>) -> Response {
     let mut not_ready = Vec::new();
     for b in &state.backends {
-        let mut c = b.client.clone();
+        let Target::Cluster(c) = &b.target else {
+            continue;
+        };
+        let mut c = c.clone();
         match tokio::time::timeout(Duration::from_secs(2), c.info(InfoRequest {})).await {
             Ok(Ok(info)) if info.get_ref().ready => {}
             Ok(Ok(info)) => not_ready.push(format!("{}: {}", b.name, info.get_ref().state)),
@@ -301,13 +312,13 @@ fn texts_of(ev: &GenerateEvent) -> HashMap<u32, String> {
 
 /// All choices' events merged into one stream: (choice index, event).
 async fn open_streams(
-    backend: &Backend,
+    client: &InferenceClient<Channel>,
     base: &GenerateRequest,
     n: u32,
 ) -> Result<impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)>, tonic::Status> {
     let mut merged = tokio_stream::StreamMap::new();
     for i in 0..n {
-        let mut c = backend.client.clone();
+        let mut c = client.clone();
         let s = c.generate(choice_request(base, i)).await?.into_inner();
         merged.insert(i, s);
     }
@@ -322,11 +333,25 @@ async fn chat(State(state): State<Shared>, req: Request) -> Response {
 async fn chat_inner(state: &Shared, req: Request) -> Result<Response, ApiError> {
     let (body, permit) = admit(state, req).await?;
     let r: ChatCompletionRequest = parse_json(&body)?;
+    let backend = state.backend(&r.model, &chat_text(&r))?.clone();
+    let client = match &backend.target {
+        Target::Cluster(c) => c.clone(),
+        Target::Upstream { base, model, key } => {
+            return proxy(
+                state,
+                &body,
+                &format!("{base}/chat/completions"),
+                model,
+                key,
+                permit,
+            )
+            .await
+        }
+    };
     let gen = r.to_generate()?;
-    let backend = state.backend(&r.model)?.clone();
     let (n, logprobs) = (r.n(), r.logprobs());
     if r.stream() {
-        let merged = open_streams(&backend, &gen, n)
+        let merged = open_streams(&client, &gen, n)
             .await
             .map_err(|s| from_status(&s).in_chat())?;
         let st = ChatStream::new(&r.model, r.include_usage(), logprobs);
@@ -335,7 +360,7 @@ async fn chat_inner(state: &Shared, req: Request) -> Result<Response, ApiError> 
     let mut calls = Vec::new();
     for i in 0..n {
         calls.push(tokio::spawn(run_one(
-            backend.client.clone(),
+            client.clone(),
             choice_request(&gen, i),
         )));
     }
@@ -369,11 +394,31 @@ async fn completions(State(state): State<Shared>, req: Request) -> Response {
 async fn completions_inner(state: &Shared, req: Request) -> Result<Response, ApiError> {
     let (body, permit) = admit(state, req).await?;
     let r: CompletionRequest = parse_json(&body)?;
+    let text = r
+        .prompt
+        .as_ref()
+        .and_then(|p| p.as_str())
+        .unwrap_or_default()
+        .to_string();
+    let backend = state.backend(&r.model, &text)?.clone();
+    let client = match &backend.target {
+        Target::Cluster(c) => c.clone(),
+        Target::Upstream { base, model, key } => {
+            return proxy(
+                state,
+                &body,
+                &format!("{base}/completions"),
+                model,
+                key,
+                permit,
+            )
+            .await
+        }
+    };
     let gen = r.to_generate()?;
-    let backend = state.backend(&r.model)?.clone();
     let (n, logprobs) = (r.n(), r.logprobs());
     if r.stream() {
-        let merged = open_streams(&backend, &gen, n)
+        let merged = open_streams(&client, &gen, n)
             .await
             .map_err(|s| from_status(&s).in_completions())?;
         let st = CompletionStream::new(&r.model, r.include_usage(), logprobs);
@@ -382,7 +427,7 @@ async fn completions_inner(state: &Shared, req: Request) -> Result<Response, Api
     let mut calls = Vec::new();
     for i in 0..n {
         calls.push(tokio::spawn(run_one(
-            backend.client.clone(),
+            client.clone(),
             choice_request(&gen, i),
         )));
     }
@@ -503,4 +548,51 @@ fn completion_sse(
         }
         yield SSE_DONE.to_string();
     }
+}
+
+/// The text `auto` rules look at: every message's string content.
+fn chat_text(r: &ChatCompletionRequest) -> String {
+    r.messages
+        .iter()
+        .filter_map(|m| m.content.as_ref().and_then(|c| c.as_str()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Passes the request to an upstream OpenAI-compatible server (with its
+/// model name) and its answer, streamed or not, back unchanged.
+async fn proxy(
+    state: &Shared,
+    body: &[u8],
+    url: &str,
+    model: &str,
+    key: &Option<String>,
+    permit: OwnedSemaphorePermit,
+) -> Result<Response, ApiError> {
+    let mut v: serde_json::Value = parse_json(body)?;
+    v["model"] = serde_json::Value::String(model.to_string());
+    let mut req = state.http.post(url).json(&v);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req
+        .send()
+        .await
+        .map_err(|e| ApiError::unavailable(format!("upstream {url} is not reachable: {e}")))?;
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let ct = resp
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .to_string();
+    let stream = resp.bytes_stream().map(move |chunk| {
+        let _held = &permit;
+        chunk.map_err(std::io::Error::other)
+    });
+    Ok(Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, ct)
+        .body(Body::from_stream(stream))
+        .expect("a valid response"))
 }

@@ -386,3 +386,92 @@ fn disconnecting_streaming_clients_frees_their_sequences() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+fn completions_count(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("omni_router_requests_total") && l.contains("/v1/completions"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A model served by an upstream OpenAI-compatible server (here another
+/// omni router) is passed through, streamed or not; `auto` picks a model by
+/// its rules; an unreachable upstream is a 503 that names it.
+#[test]
+fn upstream_backends_and_auto_rules() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let upstream = serve(&[]);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(target_bin("omni-router"));
+    cmd.args(["--listen", &addr])
+        .args(["--model", &format!("local={}", upstream._cluster.addr)])
+        .args([
+            "--upstream",
+            &format!("remote=http://{}/v1#gemma", upstream.addr),
+        ])
+        .args(["--upstream-key", "remote=sk-test"])
+        .args(["--upstream", "dead=http://127.0.0.1:1/v1"])
+        .args(["--auto", "keyword:far away=remote;default=local"])
+        .args(["--api-key", "sk-test"]);
+    let front = Proc::spawn("front-router", cmd, dir.path());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "router not up:\n{}",
+            front.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let count = || completions_count(&http(&upstream.addr, "GET", "/metrics", &[], b"").1);
+
+    let req = |model: &str, prompt: &str, stream: bool| json!({"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": stream});
+    let (st, direct) = post(
+        &upstream.addr,
+        "/v1/completions",
+        &req("gemma", "Hello there", false),
+    );
+    assert_eq!(st, 200, "{direct}");
+    let before = count();
+    let (st, via) = post(
+        &addr,
+        "/v1/completions",
+        &req("remote", "Hello there", false),
+    );
+    assert_eq!(st, 200, "{via}\n{}", front.log_text());
+    let text = |b: &str| serde_json::from_str::<Value>(b).unwrap()["choices"][0]["text"].clone();
+    assert_eq!(text(&via), text(&direct));
+    assert_eq!(count(), before + 1, "the upstream served it");
+
+    let (st, streamed) = post(
+        &addr,
+        "/v1/completions",
+        &req("remote", "Hello there", true),
+    );
+    assert_eq!(st, 200);
+    assert!(streamed.trim_end().ends_with("data: [DONE]"), "{streamed}");
+
+    // auto: the keyword sends it upstream, anything else stays local.
+    let before = count();
+    assert_eq!(
+        post(
+            &addr,
+            "/v1/completions",
+            &req("auto", "a land far away", false)
+        )
+        .0,
+        200
+    );
+    assert_eq!(count(), before + 1);
+    assert_eq!(
+        post(&addr, "/v1/completions", &req("auto", "nearby", false)).0,
+        200
+    );
+    assert_eq!(count(), before + 1);
+
+    let (st, body) = post(&addr, "/v1/completions", &req("dead", "x", false));
+    assert_eq!(st, 503, "{body}");
+    assert!(body.contains("127.0.0.1:1"), "{body}");
+}
