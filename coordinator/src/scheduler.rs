@@ -257,8 +257,8 @@ impl Scheduler {
         }
         for g in 0..self.groups.len() {
             if self.groups[g].is_none() {
-                if let Some(step) = self.build_step(g) {
-                    self.send(step, Some(g));
+                if let Some((step, owners)) = self.build_step(g) {
+                    self.send(step, Some((g, owners)));
                 }
             }
         }
@@ -320,8 +320,8 @@ impl Scheduler {
         }
     }
 
-    fn send(&mut self, built: impl Into<Built>, group: Option<usize>) {
-        let Built(mut step, owners) = built.into();
+    /// Sends a step; a group's step records the owner of each of its slots.
+    fn send(&mut self, mut step: Step, group: Option<(usize, HashMap<u32, u64>)>) {
         step.id = self.next_step;
         self.next_step += 1;
         // Removals ride on whatever step goes first; the slots are free
@@ -340,7 +340,7 @@ impl Scheduler {
         self.free_slots.extend(freed);
         self.metrics.steps.inc();
         self.metrics.tokens_in.inc_by(n_tokens);
-        if let Some(g) = group {
+        if let Some((g, owners)) = group {
             self.groups[g] = Some(InFlight {
                 id: step.id,
                 sent: Instant::now(),
@@ -480,20 +480,5 @@ impl Scheduler {
         if finish.is_some() || gone {
             self.drop_seq(id);
         }
-    }
-}
-
-/// A step and the owner of each of its slots.
-struct Built(Step, HashMap<u32, u64>);
-
-impl From<(Step, HashMap<u32, u64>)> for Built {
-    fn from((s, o): (Step, HashMap<u32, u64>)) -> Built {
-        Built(s, o)
-    }
-}
-
-impl From<Step> for Built {
-    fn from(s: Step) -> Built {
-        Built(s, HashMap::new())
     }
 }

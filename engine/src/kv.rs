@@ -47,6 +47,8 @@ pub struct KvCache {
     cells: Vec<Option<Cell>>,
     /// Highest used cell + 1 (cells beyond are all free).
     used_end: usize,
+    /// Cells in use (kept, not counted: workers report it every step).
+    n_used: usize,
 }
 
 impl KvCache {
@@ -95,6 +97,7 @@ impl KvCache {
             _buffer: buffer,
             cells: vec![None; cfg.n_cells()],
             used_end: 0,
+            n_used: 0,
         })
     }
 
@@ -110,7 +113,7 @@ impl KvCache {
 
     /// Cells in use.
     pub fn used(&self) -> usize {
-        self.cells.iter().filter(|c| c.is_some()).count()
+        self.n_used
     }
 
     /// Assigns a free cell to each (seq, pos). All or nothing: on error no cell is taken.
@@ -144,6 +147,7 @@ impl KvCache {
                 next += 1;
             }
             self.cells[next] = Some(Cell { seq, pos });
+            self.n_used += 1;
             out.push(next as i64);
             self.used_end = self.used_end.max(next + 1);
         }
@@ -153,7 +157,9 @@ impl KvCache {
     /// Frees the given cells (a step that failed after `allocate`).
     pub fn release(&mut self, idx: &[i64]) {
         for &i in idx {
-            self.cells[i as usize] = None;
+            if self.cells[i as usize].take().is_some() {
+                self.n_used -= 1;
+            }
         }
         self.shrink();
     }
@@ -163,6 +169,7 @@ impl KvCache {
         for c in &mut self.cells {
             if matches!(c, Some(cell) if cell.seq == seq && from.is_none_or(|f| cell.pos >= f)) {
                 *c = None;
+                self.n_used -= 1;
             }
         }
         self.shrink();

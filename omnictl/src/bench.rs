@@ -164,7 +164,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
         0.0

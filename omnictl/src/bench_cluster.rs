@@ -4,6 +4,7 @@
 //! per-hop latency of each transport as the coordinator measures it (step
 //! round trip minus the stages' compute, divided by the hops).
 
+use crate::bench::median;
 use crate::up::{LocalCluster, UpArgs};
 use anyhow::Context;
 use clap::Args;
@@ -265,9 +266,4 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use omni_proto::coordinator::v1::{
-    inference_client::InferenceClient, GenerateEvent, GenerateRequest, InfoRequest,
+    inference_client::InferenceClient, GenerateEvent, GenerateRequest, InfoRequest, Token,
 };
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -272,42 +272,50 @@ async fn admit(state: &AppState, req: Request) -> Result<(Bytes, OwnedSemaphoreP
     Ok((body, permit))
 }
 
-/// Runs one Generate call to its end.
-async fn run_one(
-    mut client: InferenceClient<Channel>,
-    req: GenerateRequest,
-) -> Result<Generated, tonic::Status> {
-    let mut stream = client.generate(req).await?.into_inner();
-    let mut g = Generated::default();
-    while let Some(ev) = stream.next().await {
-        g.push(&ev?);
+/// Runs the `n` choices of a request to their ends, concurrently.
+async fn generate_all(
+    client: &InferenceClient<Channel>,
+    base: &GenerateRequest,
+    n: u32,
+) -> Result<Vec<Generated>, tonic::Status> {
+    let calls: Vec<_> = (0..n)
+        .map(|i| {
+            let (mut client, req) = (client.clone(), choice_request(base, i));
+            tokio::spawn(async move {
+                let mut stream = client.generate(req).await?.into_inner();
+                let mut g = Generated::default();
+                while let Some(ev) = stream.next().await {
+                    g.push(&ev?);
+                }
+                Ok::<_, tonic::Status>(g)
+            })
+        })
+        .collect();
+    let mut outputs = Vec::with_capacity(calls.len());
+    for c in calls {
+        outputs.push(
+            c.await
+                .map_err(|e| tonic::Status::internal(e.to_string()))??,
+        );
     }
-    Ok(g)
+    Ok(outputs)
 }
 
-/// Texts of every token (and alternative) the events carried.
-fn token_texts(outputs: &[Generated]) -> HashMap<u32, String> {
+/// Texts of the given tokens and of their alternatives (the coordinator
+/// sends them; the router has no tokenizer).
+fn token_texts<'a>(tokens: impl IntoIterator<Item = &'a Token>) -> HashMap<u32, String> {
     let mut m = HashMap::new();
-    for g in outputs {
-        for t in &g.tokens {
-            m.insert(t.id, t.piece.clone());
-            for a in &t.top {
-                m.insert(a.token, a.piece.clone());
-            }
-        }
-    }
-    m
-}
-
-fn texts_of(ev: &GenerateEvent) -> HashMap<u32, String> {
-    let mut m = HashMap::new();
-    for t in &ev.tokens {
+    for t in tokens {
         m.insert(t.id, t.piece.clone());
         for a in &t.top {
             m.insert(a.token, a.piece.clone());
         }
     }
     m
+}
+
+fn text_of(texts: &HashMap<u32, String>) -> impl Fn(u32) -> String + '_ {
+    |t| texts.get(&t).cloned().unwrap_or_default()
 }
 
 /// All choices' events merged into one stream: (choice index, event).
@@ -325,132 +333,176 @@ async fn open_streams(
     Ok(merged)
 }
 
+/// What differs between the chat and the completions endpoints; the
+/// request flow in [`serve_request`] is the same for both.
+trait Api: serde::de::DeserializeOwned + Send + 'static {
+    const PATH: &'static str;
+    type Stream: Send + 'static;
+    fn model(&self) -> &str;
+    /// The text `auto` rules look at.
+    fn prompt_text(&self) -> String;
+    fn generate_request(&self) -> Result<GenerateRequest, ApiError>;
+    fn choices(&self) -> u32;
+    fn streamed(&self) -> bool;
+    /// Names the right request field in errors from the coordinator.
+    fn error(s: &tonic::Status) -> ApiError;
+    fn body(&self, outputs: &[Generated], texts: &HashMap<u32, String>) -> serde_json::Value;
+    fn open_stream(&self) -> Self::Stream;
+    /// Chunks sent before any token (the chat role deltas).
+    fn opening(st: &Self::Stream, n: u32) -> Vec<String>;
+    fn chunks(st: &mut Self::Stream, i: u32, ev: &GenerateEvent) -> Vec<String>;
+    fn usage(st: &Self::Stream, u: Usage) -> Option<String>;
+}
+
+impl Api for ChatCompletionRequest {
+    const PATH: &'static str = "/chat/completions";
+    type Stream = ChatStream;
+    fn model(&self) -> &str {
+        &self.model
+    }
+    fn prompt_text(&self) -> String {
+        self.messages
+            .iter()
+            .filter_map(|m| m.content.as_ref().and_then(|c| c.as_str()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+    fn generate_request(&self) -> Result<GenerateRequest, ApiError> {
+        self.to_generate()
+    }
+    fn choices(&self) -> u32 {
+        self.n()
+    }
+    fn streamed(&self) -> bool {
+        self.stream()
+    }
+    fn error(s: &tonic::Status) -> ApiError {
+        from_status(s).in_chat()
+    }
+    fn body(&self, outputs: &[Generated], texts: &HashMap<u32, String>) -> serde_json::Value {
+        let (id, now) = (openai::new_id("chatcmpl-"), openai::unix_now());
+        let b = ChatCompletion::build(
+            id,
+            now,
+            &self.model,
+            outputs,
+            self.logprobs(),
+            text_of(texts),
+        );
+        serde_json::to_value(b).expect("serializable")
+    }
+    fn open_stream(&self) -> ChatStream {
+        ChatStream::new(&self.model, self.include_usage(), self.logprobs())
+    }
+    fn opening(st: &ChatStream, n: u32) -> Vec<String> {
+        (0..n).map(|i| sse_data(&st.role(i))).collect()
+    }
+    fn chunks(st: &mut ChatStream, i: u32, ev: &GenerateEvent) -> Vec<String> {
+        let texts = token_texts(&ev.tokens);
+        st.event(i, ev, text_of(&texts))
+            .iter()
+            .map(sse_data)
+            .collect()
+    }
+    fn usage(st: &ChatStream, u: Usage) -> Option<String> {
+        st.include_usage.then(|| sse_data(&st.usage(u)))
+    }
+}
+
+impl Api for CompletionRequest {
+    const PATH: &'static str = "/completions";
+    type Stream = CompletionStream;
+    fn model(&self) -> &str {
+        &self.model
+    }
+    fn prompt_text(&self) -> String {
+        self.prompt
+            .as_ref()
+            .and_then(|p| p.as_str())
+            .unwrap_or_default()
+            .to_string()
+    }
+    fn generate_request(&self) -> Result<GenerateRequest, ApiError> {
+        self.to_generate()
+    }
+    fn choices(&self) -> u32 {
+        self.n()
+    }
+    fn streamed(&self) -> bool {
+        self.stream()
+    }
+    fn error(s: &tonic::Status) -> ApiError {
+        from_status(s).in_completions()
+    }
+    fn body(&self, outputs: &[Generated], texts: &HashMap<u32, String>) -> serde_json::Value {
+        let (id, now) = (openai::new_id("cmpl-"), openai::unix_now());
+        let b = Completion::build(
+            id,
+            now,
+            &self.model,
+            outputs,
+            self.logprobs(),
+            text_of(texts),
+        );
+        serde_json::to_value(b).expect("serializable")
+    }
+    fn open_stream(&self) -> CompletionStream {
+        CompletionStream::new(&self.model, self.include_usage(), self.logprobs())
+    }
+    fn opening(_: &CompletionStream, _: u32) -> Vec<String> {
+        Vec::new()
+    }
+    fn chunks(st: &mut CompletionStream, i: u32, ev: &GenerateEvent) -> Vec<String> {
+        let texts = token_texts(&ev.tokens);
+        st.event(i, ev, text_of(&texts))
+            .iter()
+            .map(sse_data)
+            .collect()
+    }
+    fn usage(st: &CompletionStream, u: Usage) -> Option<String> {
+        st.include_usage.then(|| sse_data(&st.usage(u)))
+    }
+}
+
 async fn chat(State(state): State<Shared>, req: Request) -> Response {
-    let r = chat_inner(&state, req).await;
+    let r = serve_request::<ChatCompletionRequest>(&state, req).await;
     finish(&state, "/v1/chat/completions", r)
 }
 
-async fn chat_inner(state: &Shared, req: Request) -> Result<Response, ApiError> {
-    let (body, permit) = admit(state, req).await?;
-    let r: ChatCompletionRequest = parse_json(&body)?;
-    let backend = state.backend(&r.model, &chat_text(&r))?.clone();
-    let client = match &backend.target {
-        Target::Cluster(c) => c.clone(),
-        Target::Upstream { base, model, key } => {
-            return proxy(
-                state,
-                &body,
-                &format!("{base}/chat/completions"),
-                model,
-                key,
-                permit,
-            )
-            .await
-        }
-    };
-    let gen = r.to_generate()?;
-    let (n, logprobs) = (r.n(), r.logprobs());
-    if r.stream() {
-        let merged = open_streams(&client, &gen, n)
-            .await
-            .map_err(|s| from_status(&s).in_chat())?;
-        let st = ChatStream::new(&r.model, r.include_usage(), logprobs);
-        return Ok(sse(chat_sse(st, merged, n, state.clone(), permit)));
-    }
-    let mut calls = Vec::new();
-    for i in 0..n {
-        calls.push(tokio::spawn(run_one(
-            client.clone(),
-            choice_request(&gen, i),
-        )));
-    }
-    let mut outputs = Vec::new();
-    for c in calls {
-        let g = c
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
-            .map_err(|s| from_status(&s).in_chat())?;
-        outputs.push(g);
-    }
-    drop(permit);
-    state.metrics.done(&outputs);
-    let texts = token_texts(&outputs);
-    let body = ChatCompletion::build(
-        openai::new_id("chatcmpl-"),
-        openai::unix_now(),
-        &r.model,
-        &outputs,
-        logprobs,
-        |t| texts.get(&t).cloned().unwrap_or_default(),
-    );
-    Ok(axum::Json(body).into_response())
-}
-
 async fn completions(State(state): State<Shared>, req: Request) -> Response {
-    let r = completions_inner(&state, req).await;
+    let r = serve_request::<CompletionRequest>(&state, req).await;
     finish(&state, "/v1/completions", r)
 }
 
-async fn completions_inner(state: &Shared, req: Request) -> Result<Response, ApiError> {
+/// One chat or completions request: admit, parse, route (an upstream gets
+/// the body as is), then run its `n` choices on the cluster, streamed or not.
+async fn serve_request<R: Api>(state: &Shared, req: Request) -> Result<Response, ApiError> {
     let (body, permit) = admit(state, req).await?;
-    let r: CompletionRequest = parse_json(&body)?;
-    let text = r
-        .prompt
-        .as_ref()
-        .and_then(|p| p.as_str())
-        .unwrap_or_default()
-        .to_string();
-    let backend = state.backend(&r.model, &text)?.clone();
+    let r: R = parse_json(&body)?;
+    let backend = state.backend(r.model(), &r.prompt_text())?.clone();
     let client = match &backend.target {
         Target::Cluster(c) => c.clone(),
         Target::Upstream { base, model, key } => {
-            return proxy(
-                state,
-                &body,
-                &format!("{base}/completions"),
-                model,
-                key,
-                permit,
-            )
-            .await
+            let url = format!("{base}{}", R::PATH);
+            return proxy(state, &body, &url, model, key, permit).await;
         }
     };
-    let gen = r.to_generate()?;
-    let (n, logprobs) = (r.n(), r.logprobs());
-    if r.stream() {
+    let gen = r.generate_request()?;
+    let n = r.choices();
+    if r.streamed() {
         let merged = open_streams(&client, &gen, n)
             .await
-            .map_err(|s| from_status(&s).in_completions())?;
-        let st = CompletionStream::new(&r.model, r.include_usage(), logprobs);
-        return Ok(sse(completion_sse(st, merged, n, state.clone(), permit)));
+            .map_err(|s| R::error(&s))?;
+        let events = stream_events::<R>(r.open_stream(), merged, n, state.clone(), permit);
+        return Ok(sse(events));
     }
-    let mut calls = Vec::new();
-    for i in 0..n {
-        calls.push(tokio::spawn(run_one(
-            client.clone(),
-            choice_request(&gen, i),
-        )));
-    }
-    let mut outputs = Vec::new();
-    for c in calls {
-        let g = c
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
-            .map_err(|s| from_status(&s).in_completions())?;
-        outputs.push(g);
-    }
+    let outputs = generate_all(&client, &gen, n)
+        .await
+        .map_err(|s| R::error(&s))?;
     drop(permit);
     state.metrics.done(&outputs);
-    let texts = token_texts(&outputs);
-    let body = Completion::build(
-        openai::new_id("cmpl-"),
-        openai::unix_now(),
-        &r.model,
-        &outputs,
-        logprobs,
-        |t| texts.get(&t).cloned().unwrap_or_default(),
-    );
-    Ok(axum::Json(body).into_response())
+    let texts = token_texts(outputs.iter().flat_map(|g| &g.tokens));
+    Ok(axum::Json(r.body(&outputs, &texts)).into_response())
 }
 
 fn sse(stream: impl Stream<Item = String> + Send + 'static) -> Response {
@@ -462,11 +514,11 @@ fn sse(stream: impl Stream<Item = String> + Send + 'static) -> Response {
         .expect("a valid response")
 }
 
-/// The chat SSE body. The permit is held until the stream ends or the
-/// client goes away (dropping this stream drops the gRPC streams, which
-/// cancels the sequences in the cluster).
-fn chat_sse(
-    st: ChatStream,
+/// The SSE body. The permit is held until the stream ends or the client
+/// goes away (dropping this stream drops the gRPC streams, which cancels
+/// the sequences in the cluster).
+fn stream_events<R: Api>(
+    mut st: R::Stream,
     mut merged: impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)> + Unpin + Send + 'static,
     n: u32,
     state: Shared,
@@ -474,25 +526,24 @@ fn chat_sse(
 ) -> impl Stream<Item = String> + Send + 'static {
     async_stream::stream! {
         let _permit = permit;
-        for i in 0..n {
-            yield sse_data(&st.role(i));
+        for c in R::opening(&st, n) {
+            yield c;
         }
         let mut outputs = vec![Generated::default(); n as usize];
         let mut ended = 0;
         while let Some((i, ev)) = merged.next().await {
             match ev {
                 Ok(ev) => {
-                    let texts = texts_of(&ev);
                     outputs[i as usize].push(&ev);
-                    for c in st.event(i, &ev, |t| texts.get(&t).cloned().unwrap_or_default()) {
-                        yield sse_data(&c);
+                    for c in R::chunks(&mut st, i, &ev) {
+                        yield c;
                     }
                     if ev.done.is_some() {
                         ended += 1;
                     }
                 }
                 Err(s) => {
-                    yield from_status(&s).in_chat().sse();
+                    yield R::error(&s).sse();
                     return;
                 }
             }
@@ -502,61 +553,11 @@ fn chat_sse(
             return;
         }
         state.metrics.done(&outputs);
-        if st.include_usage {
-            yield sse_data(&st.usage(Usage::of(&outputs)));
+        if let Some(u) = R::usage(&st, Usage::of(&outputs)) {
+            yield u;
         }
         yield SSE_DONE.to_string();
     }
-}
-
-fn completion_sse(
-    mut st: CompletionStream,
-    mut merged: impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)> + Unpin + Send + 'static,
-    n: u32,
-    state: Shared,
-    permit: OwnedSemaphorePermit,
-) -> impl Stream<Item = String> + Send + 'static {
-    async_stream::stream! {
-        let _permit = permit;
-        let mut outputs = vec![Generated::default(); n as usize];
-        let mut ended = 0;
-        while let Some((i, ev)) = merged.next().await {
-            match ev {
-                Ok(ev) => {
-                    let texts = texts_of(&ev);
-                    outputs[i as usize].push(&ev);
-                    for c in st.event(i, &ev, |t| texts.get(&t).cloned().unwrap_or_default()) {
-                        yield sse_data(&c);
-                    }
-                    if ev.done.is_some() {
-                        ended += 1;
-                    }
-                }
-                Err(s) => {
-                    yield from_status(&s).in_completions().sse();
-                    return;
-                }
-            }
-        }
-        if ended < n {
-            yield ApiError::unavailable("the cluster ended the stream early").sse();
-            return;
-        }
-        state.metrics.done(&outputs);
-        if st.include_usage {
-            yield sse_data(&st.usage(Usage::of(&outputs)));
-        }
-        yield SSE_DONE.to_string();
-    }
-}
-
-/// The text `auto` rules look at: every message's string content.
-fn chat_text(r: &ChatCompletionRequest) -> String {
-    r.messages
-        .iter()
-        .filter_map(|m| m.content.as_ref().and_then(|c| c.as_str()))
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// Passes the request to an upstream OpenAI-compatible server (with its

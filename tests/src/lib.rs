@@ -234,6 +234,23 @@ impl Cluster {
         self.rt.block_on(collect(&mut c, req))
     }
 
+    /// KV cache cells in use on each worker, in stage order (Worker.Status).
+    pub fn kv_cells_used(&self) -> Vec<u64> {
+        use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+        let stages = self.info().expect("coordinator info").stages;
+        self.rt.block_on(async {
+            let mut out = Vec::new();
+            for s in &stages {
+                let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr))
+                    .await
+                    .expect("worker reachable");
+                let st = w.status(StatusRequest {}).await.expect("worker status");
+                out.push(st.into_inner().kv_cells_used);
+            }
+            out
+        })
+    }
+
     /// Every process's log, for failure messages.
     pub fn logs(&self) -> String {
         let mut s = String::new();
@@ -268,4 +285,23 @@ pub fn ids(events: &[GenerateEvent]) -> Vec<u32> {
         .iter()
         .flat_map(|e| e.tokens.iter().map(|t| t.id))
         .collect()
+}
+
+/// Starts `omni-router` on a free port with `args`, logging into `dir`, and
+/// waits until it accepts connections; returns it and its address.
+pub fn start_router(dir: &Path, args: &[String]) -> (Proc, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut cmd = Command::new(target_bin("omni-router"));
+    cmd.args(["--listen", &addr]).args(args);
+    let router = Proc::spawn("router", cmd, dir);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "router not up:\n{}",
+            router.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (router, addr)
 }

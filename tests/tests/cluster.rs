@@ -349,32 +349,9 @@ fn worker_dying_mid_request_ends_the_stream_with_a_clear_error() {
 /// worker (each worker's Status shows the cells in use).
 #[test]
 fn cancelling_a_request_frees_its_kv_cache_on_every_worker() {
-    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
     let _g = serial();
     let c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
-    let addrs: Vec<String> = c
-        .info()
-        .unwrap()
-        .stages
-        .iter()
-        .map(|s| s.worker_addr.clone())
-        .collect();
-    let used = || -> Vec<u64> {
-        c.rt.block_on(async {
-            let mut out = Vec::new();
-            for a in &addrs {
-                let mut w = WorkerClient::connect(format!("http://{a}")).await.unwrap();
-                out.push(
-                    w.status(StatusRequest {})
-                        .await
-                        .unwrap()
-                        .into_inner()
-                        .kv_cells_used,
-                );
-            }
-            out
-        })
-    };
+    let used = || c.kv_cells_used();
     let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
     let mut client = c.client().unwrap();
     c.rt.block_on(async {

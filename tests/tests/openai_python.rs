@@ -4,10 +4,9 @@
 //! checkout (or set OMNI_PYTHON to an interpreter that has openai and pytest).
 
 use omni_tests::fixtures::{model, GEMMA, QWEN};
-use omni_tests::{free_port, target_bin, Cluster, ClusterSpec, Proc};
+use omni_tests::{start_router, Cluster, ClusterSpec, Proc};
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("OMNI_PYTHON") {
@@ -30,22 +29,14 @@ fn serve(file: &str, ctx: usize) -> (Cluster, Proc, String, tempfile::TempDir) {
     let mut spec = ClusterSpec::new(2, "shm");
     spec.ctx = ctx;
     let cluster = Cluster::start(&model(file), &spec);
-    let addr = format!("127.0.0.1:{}", free_port());
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new(target_bin("omni-router"));
-    cmd.args(["--listen", &addr])
-        .args(["--model", &format!("gemma3-270m={}", cluster.addr)])
-        .args(["--api-key", "sk-python"]);
-    let router = Proc::spawn("router", cmd, dir.path());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "router not up:\n{}",
-            router.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let args = [
+        "--model".to_string(),
+        format!("gemma3-270m={}", cluster.addr),
+        "--api-key".into(),
+        "sk-python".into(),
+    ];
+    let (router, addr) = start_router(dir.path(), &args);
     (cluster, router, addr, dir)
 }
 

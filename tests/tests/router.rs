@@ -3,10 +3,9 @@
 
 use omni_engine::{Engine, GenerateOptions, StageConfig};
 use omni_tests::fixtures::{model, GEMMA};
-use omni_tests::{free_port, target_bin, Cluster, ClusterSpec, Proc};
+use omni_tests::{start_router, Cluster, ClusterSpec, Proc};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 request; the status and the body (chunked bodies decoded).
@@ -83,23 +82,15 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serve(extra: &[&str]) -> Served {
     let cluster = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
-    let addr = format!("127.0.0.1:{}", free_port());
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new(target_bin("omni-router"));
-    cmd.args(["--listen", &addr])
-        .args(["--model", &format!("gemma3-270m={},gemma", cluster.addr)])
-        .args(["--api-key", "sk-test"])
-        .args(extra);
-    let router = Proc::spawn("router", cmd, dir.path());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "router not up:\n{}",
-            router.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut args: Vec<String> = vec![
+        "--model".into(),
+        format!("gemma3-270m={},gemma", cluster.addr),
+        "--api-key".into(),
+        "sk-test".into(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let (router, addr) = start_router(dir.path(), &args);
     Served {
         router,
         _cluster: cluster,
@@ -319,33 +310,9 @@ fn flooding_past_the_limit_gets_429_and_accepted_requests_finish() {
 /// every worker's KV cache is empty again soon after.
 #[test]
 fn disconnecting_streaming_clients_frees_their_sequences() {
-    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = serve(&[]);
-    let cluster = &s._cluster;
-    let addrs: Vec<String> = cluster
-        .info()
-        .unwrap()
-        .stages
-        .iter()
-        .map(|st| st.worker_addr.clone())
-        .collect();
-    let used = || -> Vec<u64> {
-        cluster.rt.block_on(async {
-            let mut out = Vec::new();
-            for a in &addrs {
-                let mut w = WorkerClient::connect(format!("http://{a}")).await.unwrap();
-                out.push(
-                    w.status(StatusRequest {})
-                        .await
-                        .unwrap()
-                        .into_inner()
-                        .kv_cells_used,
-                );
-            }
-            out
-        })
-    };
+    let used = || s._cluster.kv_cells_used();
     // Three streaming clients read a little, then hang up.
     let mut clients = Vec::new();
     for _ in 0..3 {
@@ -402,29 +369,23 @@ fn completions_count(metrics: &str) -> u64 {
 fn upstream_backends_and_auto_rules() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let upstream = serve(&[]);
-    let addr = format!("127.0.0.1:{}", free_port());
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new(target_bin("omni-router"));
-    cmd.args(["--listen", &addr])
-        .args(["--model", &format!("local={}", upstream._cluster.addr)])
-        .args([
-            "--upstream",
-            &format!("remote=http://{}/v1#gemma", upstream.addr),
-        ])
-        .args(["--upstream-key", "remote=sk-test"])
-        .args(["--upstream", "dead=http://127.0.0.1:1/v1"])
-        .args(["--auto", "keyword:far away=remote;default=local"])
-        .args(["--api-key", "sk-test"]);
-    let front = Proc::spawn("front-router", cmd, dir.path());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "router not up:\n{}",
-            front.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let args: Vec<String> = [
+        "--model".to_string(),
+        format!("local={}", upstream._cluster.addr),
+        "--upstream".into(),
+        format!("remote=http://{}/v1#gemma", upstream.addr),
+        "--upstream-key".into(),
+        "remote=sk-test".into(),
+        "--upstream".into(),
+        "dead=http://127.0.0.1:1/v1".into(),
+        "--auto".into(),
+        "keyword:far away=remote;default=local".into(),
+        "--api-key".into(),
+        "sk-test".into(),
+    ]
+    .into();
+    let (front, addr) = start_router(dir.path(), &args);
     let count = || completions_count(&http(&upstream.addr, "GET", "/metrics", &[], b"").1);
 
     let req = |model: &str, prompt: &str, stream: bool| json!({"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": stream});
