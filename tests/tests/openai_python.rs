@@ -103,10 +103,11 @@ fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
     let mut checks = 0;
     for line in report.lines() {
         let l = line.trim();
-        if l.starts_with('\u{2705}') {
+        // Passed: ✅ (llm-comply 0.4) or ✓ (0.5); failed: ❌, ⚠ or ✗.
+        if l.starts_with(['\u{2705}', '\u{2713}']) {
             checks += 1;
         }
-        if l.starts_with('\u{274c}') || l.starts_with('\u{26a0}') {
+        if l.starts_with(['\u{274c}', '\u{26a0}', '\u{2717}']) {
             assert!(
                 l.contains("Tool Calling") || l.contains("Image Input"),
                 "llm-comply check failed: {l}\n{report}\n{}\n{}",
