@@ -92,6 +92,8 @@ pub struct CoordinatorConfig {
     /// Prometheus metrics (GET /metrics) listen address.
     #[arg(long, env = "OMNI_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
+    #[command(flatten)]
+    pub telemetry: omni_telemetry::TelemetryArgs,
 }
 
 /// A worker that registered.
@@ -431,17 +433,5 @@ async fn watch_worker(w: Registered, interval: Duration, events: crossbeam_chann
             });
             return;
         }
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM. `main` races it against `run`, so that
-/// stopping drops everything `run` holds (the shared-memory ring is unlinked
-/// on drop) instead of waiting for open streams to finish.
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
     }
 }

@@ -13,22 +13,13 @@ struct Cli {
     cfg: omni_coordinator::CoordinatorConfig,
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("OMNI_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let result = tokio::select! {
-        r = omni_coordinator::run(cli.cfg) => r,
-        _ = omni_coordinator::shutdown_signal() => Ok(()),
-    };
-    if let Err(e) = result {
-        eprintln!("omni-coordinator: error: {e:#}");
-        std::process::exit(1);
-    }
+    let telemetry = cli.cfg.telemetry.clone();
+    omni_telemetry::service_main(
+        "omni-coordinator",
+        None,
+        &telemetry,
+        omni_coordinator::run(cli.cfg),
+    )
 }

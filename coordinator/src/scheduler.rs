@@ -46,6 +46,20 @@ pub struct NewSeq {
     pub top_logprobs: u32,
     pub events: EventTx,
     pub arrived: Instant,
+    /// The request's trace span; it ends when the sequence is dropped.
+    pub span: tracing::Span,
+    /// What the stages' spans hang under (None: traces are off).
+    pub traceparent: Option<String>,
+}
+
+impl NewSeq {
+    /// Ends the request with an error: the client gets `status`, the trace
+    /// records it.
+    fn fail(&self, status: Status) {
+        self.span.record("otel.status_code", "error");
+        self.span.record("error", status.message());
+        let _ = self.events.send(Err(status));
+    }
 }
 
 pub enum Event {
@@ -161,9 +175,9 @@ impl Scheduler {
         match ev {
             Event::New(s) => {
                 if let Some(why) = &self.failed {
-                    let _ = s.events.send(Err(Status::unavailable(format!(
+                    s.fail(Status::unavailable(format!(
                         "the cluster cannot serve: {why}"
-                    ))));
+                    )));
                     return;
                 }
                 self.queue.push_back(*s);
@@ -189,10 +203,10 @@ impl Scheduler {
         }
         let status = Status::unavailable(format!("{why}; the request was stopped"));
         for (_, s) in self.seqs.drain() {
-            let _ = s.new.events.send(Err(status.clone()));
+            s.new.fail(status.clone());
         }
         for s in self.queue.drain(..) {
-            let _ = s.events.send(Err(status.clone()));
+            s.fail(status.clone());
         }
         self.order.clear();
         self.failed = Some(why);
@@ -306,6 +320,7 @@ impl Scheduler {
                     step.requests.push(SlotRequest {
                         slot: s.slot,
                         request_id: s.new.request_id.clone(),
+                        traceparent: s.new.traceparent.clone().unwrap_or_default(),
                     });
                 }
                 s.fed += take;
@@ -395,7 +410,7 @@ impl Scheduler {
             tracing::error!("step {} failed: {}", step.id, step.error);
             for id in inflight.owners.values() {
                 if let Some(s) = self.seqs.get(id) {
-                    let _ = s.new.events.send(Err(Status::internal(step.error.clone())));
+                    s.new.fail(Status::internal(step.error.clone()));
                 }
                 self.drop_seq(*id);
             }
@@ -466,13 +481,17 @@ impl Scheduler {
                 ev.text.push_str(&s.stops.finish());
             }
             let now = Instant::now();
+            let ttft_ms = s
+                .first_token
+                .map_or(0.0, |t| (t - s.new.arrived).as_secs_f64() * 1e3);
+            s.new.span.record("completion_tokens", s.generated);
+            s.new.span.record("finish_reason", reason.as_str_name());
+            s.new.span.record("ttft_ms", ttft_ms);
             ev.done = Some(Done {
                 finish_reason: reason as i32,
                 prompt_tokens: s.new.prompt.len() as u32,
                 completion_tokens: s.generated as u32,
-                time_to_first_token_ms: s
-                    .first_token
-                    .map_or(0.0, |t| (t - s.new.arrived).as_secs_f64() * 1e3),
+                time_to_first_token_ms: ttft_ms,
                 total_ms: (now - s.new.arrived).as_secs_f64() * 1e3,
             });
         }

@@ -100,6 +100,11 @@ impl inference_server::Inference for InferenceSvc {
                 shared.info.lock().unwrap().state
             ))
         })?;
+        let parent = req
+            .metadata()
+            .get(omni_telemetry::TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         let r = req.into_inner();
         let prompt = self.prompt_ids(&r)?;
         let n_ctx = shared.cfg.ctx;
@@ -147,6 +152,23 @@ impl inference_server::Inference for InferenceSvc {
             max_tokens,
             "request"
         );
+        // The request's span lives as long as its sequence (the scheduler
+        // drops it at the end); every stage's spans are its children.
+        let span = tracing::info_span!(
+            "generate",
+            otel.name = "coordinator generate",
+            otel.kind = "server",
+            request = %request_id,
+            prompt_tokens = prompt.len(),
+            max_tokens,
+            completion_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+            ttft_ms = tracing::field::Empty,
+            error = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        omni_telemetry::set_parent(&span, parent.as_deref());
+        let traceparent = omni_telemetry::traceparent(&span).or(parent);
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let stream = CancelOnDrop {
             inner: UnboundedReceiverStream::new(rx),
@@ -166,6 +188,8 @@ impl inference_server::Inference for InferenceSvc {
                 top_logprobs: r.top_logprobs,
                 events: tx,
                 arrived,
+                span,
+                traceparent,
             })))
             .map_err(|_| Status::unavailable("the scheduler has stopped"))?;
         Ok(Response::new(stream))

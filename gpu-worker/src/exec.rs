@@ -54,7 +54,7 @@ impl Exec {
             .name(format!("stage-{stage_index}"))
             .spawn(move || {
                 let mut run = StageRun {
-                    requests: HashMap::new(),
+                    slots: HashMap::new(),
                     stage,
                     index: stage_index,
                     dtype: hidden_dtype,
@@ -96,10 +96,16 @@ impl Drop for Exec {
     }
 }
 
+/// Which request a slot serves (from the step that started it), so every
+/// step's spans name the requests it carries, across processes.
+struct SlotInfo {
+    request_id: String,
+    /// The request's trace context (None: traces are off).
+    trace: Option<omni_telemetry::Remote>,
+}
+
 struct StageRun {
-    /// Request id of each slot (from the step that started it), so every
-    /// step's span names the requests it carries, across processes.
-    requests: HashMap<u32, String>,
+    slots: HashMap<u32, SlotInfo>,
     stage: Stage,
     index: u32,
     dtype: HiddenDtype,
@@ -141,12 +147,18 @@ impl StageRun {
 
     fn step(&mut self, step: &mut Step, payload: &[u8]) -> Result<Vec<u8>, String> {
         for r in &step.requests {
-            self.requests.insert(r.slot, r.request_id.clone());
+            self.slots.insert(
+                r.slot,
+                SlotInfo {
+                    request_id: r.request_id.clone(),
+                    trace: omni_telemetry::Remote::parse(&r.traceparent),
+                },
+            );
         }
         let mut carried: Vec<&str> = step
             .seqs
             .iter()
-            .filter_map(|s| self.requests.get(s).map(String::as_str))
+            .filter_map(|s| self.slots.get(s).map(|i| i.request_id.as_str()))
             .collect();
         carried.dedup();
         let span = tracing::debug_span!(
@@ -157,8 +169,9 @@ impl StageRun {
             requests = %carried.join(",")
         );
         let _enter = span.enter();
+        let _traced = self.request_spans(step);
         for &slot in &step.remove {
-            self.requests.remove(&slot);
+            self.slots.remove(&slot);
             self.stage.remove_seq(slot, None);
             self.samplers.remove(&slot);
             tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");
@@ -217,6 +230,36 @@ impl StageRun {
         self.stats.last_step_us.store(us, Ordering::Relaxed);
         self.stats.total_step_us.fetch_add(us, Ordering::Relaxed);
         Ok(payload)
+    }
+
+    /// One span per traced request in the step, each a child of that
+    /// request's trace; they end when the step does.
+    fn request_spans(&self, step: &Step) -> Vec<tracing::Span> {
+        let mut tokens: Vec<(u32, usize)> = Vec::new();
+        for &slot in &step.seqs {
+            match tokens.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, n)) => *n += 1,
+                None => tokens.push((slot, 1)),
+            }
+        }
+        tokens
+            .into_iter()
+            .filter_map(|(slot, n)| {
+                let info = self.slots.get(&slot)?;
+                let trace = info.trace.as_ref()?;
+                let span = tracing::info_span!(
+                    "stage_step",
+                    otel.name = %format!("stage {} step", self.index),
+                    stage = self.index,
+                    step = step.id,
+                    request = %info.request_id,
+                    tokens = n,
+                    batch_tokens = step.positions.len(),
+                );
+                trace.adopt(&span);
+                Some(span)
+            })
+            .collect()
     }
 
     /// Samples every row whose logits were wanted, after recording the

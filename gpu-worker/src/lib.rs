@@ -60,6 +60,17 @@ pub struct WorkerConfig {
     /// Give up if the coordinator cannot be reached for this long (seconds).
     #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
     pub register_timeout: f64,
+    #[command(flatten)]
+    pub telemetry: omni_telemetry::TelemetryArgs,
+}
+
+impl WorkerConfig {
+    /// This worker's name: `--id`, or w-<pid>.
+    pub fn worker_id(&self) -> String {
+        self.id
+            .clone()
+            .unwrap_or_else(|| format!("w-{}", std::process::id()))
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -85,10 +96,7 @@ struct Worker {
 
 /// Runs the worker until the process is stopped.
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
-    let id = cfg
-        .id
-        .clone()
-        .unwrap_or_else(|| format!("w-{}", std::process::id()));
+    let id = cfg.worker_id();
     let inventory = inventory::read(&cfg.device, cfg.memory)?;
     for g in inventory::gpus() {
         tracing::info!("visible GPU: {g}");
@@ -144,18 +152,6 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// Resolves on Ctrl-C or SIGTERM. `main` races it against `run`, so that
-/// stopping drops everything `run` holds (the shared-memory ring is unlinked
-/// on drop) instead of waiting for open streams to finish.
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-}
 
 /// Registers with the coordinator, retrying until `register_timeout`.
 async fn register(

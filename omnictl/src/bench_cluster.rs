@@ -90,6 +90,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             metrics: None,
             port: 0,
             api_key: None,
+            otlp_endpoint: None,
             register_timeout: 60.0,
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;

@@ -52,6 +52,11 @@ pub struct UpArgs {
     /// API key the router requires (also OMNI_API_KEYS); none: open.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Export every process's traces over OTLP/HTTP to this base URL (e.g.
+    /// http://127.0.0.1:6006 for Arize Phoenix); also
+    /// OTEL_EXPORTER_OTLP_ENDPOINT, which the processes inherit.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
     /// Extra seconds the workers may take to register.
     #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
@@ -114,6 +119,12 @@ impl LocalCluster {
         if let Some(m) = &a.metrics {
             c.args(["--metrics-listen", m]);
         }
+        let traced = |cmd: &mut Command| {
+            if let Some(e) = &a.otlp_endpoint {
+                cmd.args(["--otlp-endpoint", e]);
+            }
+        };
+        traced(&mut c);
         cluster
             .children
             .push(("coordinator".into(), spawn_logged("coordinator", c, quiet)?));
@@ -134,6 +145,7 @@ impl LocalCluster {
             if let Some(m) = &a.memory {
                 w.args(["--memory", m]);
             }
+            traced(&mut w);
             cluster
                 .children
                 .push((name.clone(), spawn_logged(&name, w, quiet)?));
@@ -151,6 +163,7 @@ impl LocalCluster {
             if let Some(k) = &a.api_key {
                 r.args(["--api-key", k]);
             }
+            traced(&mut r);
             cluster
                 .children
                 .push(("router".into(), spawn_logged("router", r, quiet)?));

@@ -1,34 +1,46 @@
 //! `omni-router`: the OpenAI-compatible HTTP API.
 
 use clap::Parser;
+use omni_router::RouterConfig;
 
 #[derive(Parser)]
 #[command(
     name = "omni-router",
     version,
-    about = "omni router: the OpenAI API in front of omni coordinators"
+    about = "omni router: the OpenAI API in front of omni coordinators",
+    // `print-config` takes the flags itself: `omni-router print-config --config F`.
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
-    cfg: omni_router::RouterConfig,
+    cfg: RouterConfig,
 }
 
-#[tokio::main]
-async fn main() {
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Print the merged settings (defaults, config file, environment,
+    /// flags) as TOML, secrets masked, and exit.
+    PrintConfig(RouterConfig),
+}
+
+fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("OMNI_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let result = tokio::select! {
-        r = omni_router::run(cli.cfg) => r,
-        _ = omni_router::shutdown_signal() => Ok(()),
+    let (cfg, print) = match cli.command {
+        Some(Command::PrintConfig(cfg)) => (cfg, true),
+        None => (cli.cfg, false),
     };
-    if let Err(e) = result {
-        eprintln!("omni-router: error: {e:#}");
-        std::process::exit(1);
+    let settings = cfg.settings().unwrap_or_else(|e| {
+        eprintln!("omni-router: error: {e}");
+        std::process::exit(2)
+    });
+    if print {
+        println!("{}", settings.to_toml().trim_end());
+        return;
     }
+    let telemetry = omni_telemetry::TelemetryArgs {
+        otlp_endpoint: settings.otlp_endpoint.clone(),
+    };
+    omni_telemetry::service_main("omni-router", None, &telemetry, omni_router::run(settings))
 }

@@ -30,6 +30,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt};
 use tonic::transport::Channel;
+use tracing::Instrument;
 
 pub use crate::backends::{Backend, Target};
 
@@ -246,6 +247,41 @@ fn finish(state: &AppState, path: &str, r: Result<Response, ApiError>) -> Respon
     resp
 }
 
+/// The trace span of one API request: a child of the client's `traceparent`
+/// when it sent one, and the parent of the coordinator's spans.
+fn request_span(path: &str, headers: &HeaderMap) -> tracing::Span {
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %format!("POST {path}"),
+        otel.kind = "server",
+        http.route = path,
+        model = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    );
+    let parent = headers
+        .get(omni_telemetry::TRACEPARENT)
+        .and_then(|v| v.to_str().ok());
+    omni_telemetry::set_parent(&span, parent);
+    span
+}
+
+fn record_status(span: &tracing::Span, status: StatusCode) {
+    span.record("http.response.status_code", status.as_u16());
+    if status.is_server_error() {
+        span.record("otel.status_code", "error");
+    }
+}
+
+/// A Generate call carrying the request's trace context.
+fn traced<T>(msg: T, traceparent: Option<&str>) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
+        req.metadata_mut().insert(omni_telemetry::TRACEPARENT, v);
+    }
+    req
+}
+
 /// Auth, the in-flight bound, content type and body size: everything before
 /// the body is parsed.
 async fn admit(state: &AppState, req: Request) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
@@ -277,10 +313,12 @@ async fn generate_all(
     client: &InferenceClient<Channel>,
     base: &GenerateRequest,
     n: u32,
+    traceparent: Option<&str>,
 ) -> Result<Vec<Generated>, tonic::Status> {
     let calls: Vec<_> = (0..n)
         .map(|i| {
-            let (mut client, req) = (client.clone(), choice_request(base, i));
+            let mut client = client.clone();
+            let req = traced(choice_request(base, i), traceparent);
             tokio::spawn(async move {
                 let mut stream = client.generate(req).await?.into_inner();
                 let mut g = Generated::default();
@@ -323,11 +361,15 @@ async fn open_streams(
     client: &InferenceClient<Channel>,
     base: &GenerateRequest,
     n: u32,
+    traceparent: Option<&str>,
 ) -> Result<impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)>, tonic::Status> {
     let mut merged = tokio_stream::StreamMap::new();
     for i in 0..n {
         let mut c = client.clone();
-        let s = c.generate(choice_request(base, i)).await?.into_inner();
+        let s = c
+            .generate(traced(choice_request(base, i), traceparent))
+            .await?
+            .into_inner();
         merged.insert(i, s);
     }
     Ok(merged)
@@ -465,38 +507,62 @@ impl Api for CompletionRequest {
 }
 
 async fn chat(State(state): State<Shared>, req: Request) -> Response {
-    let r = serve_request::<ChatCompletionRequest>(&state, req).await;
-    finish(&state, "/v1/chat/completions", r)
+    serve::<ChatCompletionRequest>(&state, "/v1/chat/completions", req).await
 }
 
 async fn completions(State(state): State<Shared>, req: Request) -> Response {
-    let r = serve_request::<CompletionRequest>(&state, req).await;
-    finish(&state, "/v1/completions", r)
+    serve::<CompletionRequest>(&state, "/v1/completions", req).await
+}
+
+/// An API request inside its trace span (a streamed answer holds the span
+/// until its last event).
+async fn serve<R: Api>(state: &Shared, path: &str, req: Request) -> Response {
+    let span = request_span(path, req.headers());
+    let r = serve_request::<R>(state, req, &span)
+        .instrument(span.clone())
+        .await;
+    let resp = finish(state, path, r);
+    record_status(&span, resp.status());
+    resp
 }
 
 /// One chat or completions request: admit, parse, route (an upstream gets
 /// the body as is), then run its `n` choices on the cluster, streamed or not.
-async fn serve_request<R: Api>(state: &Shared, req: Request) -> Result<Response, ApiError> {
+async fn serve_request<R: Api>(
+    state: &Shared,
+    req: Request,
+    span: &tracing::Span,
+) -> Result<Response, ApiError> {
     let (body, permit) = admit(state, req).await?;
     let r: R = parse_json(&body)?;
+    span.record("model", r.model());
     let backend = state.backend(r.model(), &r.prompt_text())?.clone();
+    let traceparent = omni_telemetry::traceparent(span);
     let client = match &backend.target {
         Target::Cluster(c) => c.clone(),
         Target::Upstream { base, model, key } => {
             let url = format!("{base}{}", R::PATH);
-            return proxy(state, &body, &url, model, key, permit).await;
+            let up = Upstream {
+                url: &url,
+                model,
+                key,
+                traceparent: traceparent.as_deref(),
+            };
+            return proxy(state, &body, up, permit).await;
         }
     };
     let gen = r.generate_request()?;
     let n = r.choices();
+    let tp = traceparent.as_deref();
     if r.streamed() {
-        let merged = open_streams(&client, &gen, n)
+        let merged = open_streams(&client, &gen, n, tp)
             .await
             .map_err(|s| R::error(&s))?;
-        let events = stream_events::<R>(r.open_stream(), merged, n, state.clone(), permit);
+        let held = (permit, span.clone());
+        let events = stream_events::<R>(r.open_stream(), merged, n, state.clone(), held);
         return Ok(sse(events));
     }
-    let outputs = generate_all(&client, &gen, n)
+    let outputs = generate_all(&client, &gen, n, tp)
         .await
         .map_err(|s| R::error(&s))?;
     drop(permit);
@@ -514,18 +580,18 @@ fn sse(stream: impl Stream<Item = String> + Send + 'static) -> Response {
         .expect("a valid response")
 }
 
-/// The SSE body. The permit is held until the stream ends or the client
-/// goes away (dropping this stream drops the gRPC streams, which cancels
-/// the sequences in the cluster).
+/// The SSE body. The permit (and the request's trace span) are held until
+/// the stream ends or the client goes away (dropping this stream drops the
+/// gRPC streams, which cancels the sequences in the cluster).
 fn stream_events<R: Api>(
     mut st: R::Stream,
     mut merged: impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)> + Unpin + Send + 'static,
     n: u32,
     state: Shared,
-    permit: OwnedSemaphorePermit,
+    held: (OwnedSemaphorePermit, tracing::Span),
 ) -> impl Stream<Item = String> + Send + 'static {
     async_stream::stream! {
-        let _permit = permit;
+        let _held = held;
         for c in R::opening(&st, n) {
             yield c;
         }
@@ -560,21 +626,31 @@ fn stream_events<R: Api>(
     }
 }
 
+/// Where [`proxy`] sends a request.
+struct Upstream<'a> {
+    url: &'a str,
+    model: &'a str,
+    key: &'a Option<String>,
+    traceparent: Option<&'a str>,
+}
+
 /// Passes the request to an upstream OpenAI-compatible server (with its
 /// model name) and its answer, streamed or not, back unchanged.
 async fn proxy(
     state: &Shared,
     body: &[u8],
-    url: &str,
-    model: &str,
-    key: &Option<String>,
+    up: Upstream<'_>,
     permit: OwnedSemaphorePermit,
 ) -> Result<Response, ApiError> {
+    let url = up.url;
     let mut v: serde_json::Value = parse_json(body)?;
-    v["model"] = serde_json::Value::String(model.to_string());
+    v["model"] = serde_json::Value::String(up.model.to_string());
     let mut req = state.http.post(url).json(&v);
-    if let Some(k) = key {
+    if let Some(k) = up.key {
         req = req.bearer_auth(k);
+    }
+    if let Some(t) = up.traceparent {
+        req = req.header(omni_telemetry::TRACEPARENT, t);
     }
     let resp = req
         .send()
