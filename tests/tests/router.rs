@@ -317,21 +317,41 @@ fn completions_count(metrics: &str) -> u64 {
 /// omni router) is passed through, streamed or not; `auto` picks a model by
 /// its rules; an unreachable upstream is a 503 that names it.
 #[test]
-fn upstream_backends_and_auto_rules() {
+fn upstream_backends_and_auto_rules_from_a_config_file() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let upstream = serve(&[]);
+    // The backends and rules come from a config file; the upstream's key
+    // and the API key from flags, which merge with the file.
     let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("omni.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[router]
+auto = ["keyword:far away=remote", "default=local"]
+
+[[router.models]]
+name = "local"
+coordinator = "{}"
+
+[[router.models]]
+name = "remote"
+upstream = "http://{}/v1"
+upstream_model = "gemma"
+
+[[router.models]]
+name = "dead"
+upstream = "http://127.0.0.1:1/v1"
+"#,
+            upstream._cluster.addr, upstream.addr
+        ),
+    )
+    .unwrap();
     let args: Vec<String> = [
-        "--model".to_string(),
-        format!("local={}", upstream._cluster.addr),
-        "--upstream".into(),
-        format!("remote=http://{}/v1#gemma", upstream.addr),
+        "--config".to_string(),
+        config.display().to_string(),
         "--upstream-key".into(),
         "remote=sk-test".into(),
-        "--upstream".into(),
-        "dead=http://127.0.0.1:1/v1".into(),
-        "--auto".into(),
-        "keyword:far away=remote;default=local".into(),
         "--api-key".into(),
         "sk-test".into(),
     ]
