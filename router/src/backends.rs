@@ -7,7 +7,11 @@ use tonic::transport::Channel;
 
 #[derive(Clone)]
 pub enum Target {
-    Cluster(InferenceClient<Channel>),
+    Cluster {
+        client: InferenceClient<Channel>,
+        /// The coordinator's address, for error messages.
+        addr: String,
+    },
     /// `base` ends in `/v1`; `model` is the upstream's name for the model.
     Upstream {
         base: String,

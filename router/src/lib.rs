@@ -28,9 +28,10 @@ pub async fn run(cfg: RouterSettings) -> anyhow::Result<()> {
                 tracing::info!(
                     "model {name} (aliases: {aliases:?}) served by the coordinator at {addr}"
                 );
-                server::Target::Cluster(
-                    InferenceClient::new(ch).max_decoding_message_size(64 << 20),
-                )
+                server::Target::Cluster {
+                    client: InferenceClient::new(ch).max_decoding_message_size(64 << 20),
+                    addr: addr.clone(),
+                }
             }
             (None, Some(base)) => {
                 let model = m.upstream_model.clone().unwrap_or_else(|| name.clone());

@@ -203,7 +203,7 @@ async fn models(State(state): State<Shared>, headers: HeaderMap) -> Response {
 async fn ready(State(state): State<Shared>) -> Response {
     let mut not_ready = Vec::new();
     for b in &state.backends {
-        let Target::Cluster(c) = &b.target else {
+        let Target::Cluster { client: c, .. } = &b.target else {
             continue;
         };
         let mut c = c.clone();
@@ -271,6 +271,19 @@ fn record_status(span: &tracing::Span, status: StatusCode) {
     if status.is_server_error() {
         span.record("otel.status_code", "error");
     }
+}
+
+/// Names the model and its coordinator in an UNAVAILABLE status (a
+/// coordinator that is down, or not ready yet), which alone says little
+/// ("tcp connect error").
+fn unreachable(s: tonic::Status, model: &str, addr: &str) -> tonic::Status {
+    if s.code() != tonic::Code::Unavailable {
+        return s;
+    }
+    tonic::Status::unavailable(format!(
+        "model '{model}': the coordinator at {addr} cannot serve: {}",
+        s.message()
+    ))
 }
 
 /// A Generate call carrying the request's trace context.
@@ -538,8 +551,8 @@ async fn serve_request<R: Api>(
     span.record("model", r.model());
     let backend = state.backend(r.model(), &r.prompt_text())?.clone();
     let traceparent = omni_telemetry::traceparent(span);
-    let client = match &backend.target {
-        Target::Cluster(c) => c.clone(),
+    let (client, addr) = match &backend.target {
+        Target::Cluster { client, addr } => (client.clone(), addr.clone()),
         Target::Upstream { base, model, key } => {
             let url = format!("{base}{}", R::PATH);
             let up = Upstream {
@@ -557,14 +570,14 @@ async fn serve_request<R: Api>(
     if r.streamed() {
         let merged = open_streams(&client, &gen, n, tp)
             .await
-            .map_err(|s| R::error(&s))?;
+            .map_err(|s| R::error(&unreachable(s, &backend.name, &addr)))?;
         let held = (permit, span.clone());
         let events = stream_events::<R>(r.open_stream(), merged, n, state.clone(), held);
         return Ok(sse(events));
     }
     let outputs = generate_all(&client, &gen, n, tp)
         .await
-        .map_err(|s| R::error(&s))?;
+        .map_err(|s| R::error(&unreachable(s, &backend.name, &addr)))?;
     drop(permit);
     state.metrics.done(&outputs);
     let texts = token_texts(outputs.iter().flat_map(|g| &g.tokens));

@@ -342,6 +342,10 @@ upstream_model = "gemma"
 [[router.models]]
 name = "dead"
 upstream = "http://127.0.0.1:1/v1"
+
+[[router.models]]
+name = "gone"
+coordinator = "127.0.0.1:1"
 "#,
             upstream._cluster.addr, upstream.addr
         ),
@@ -403,7 +407,10 @@ upstream = "http://127.0.0.1:1/v1"
     );
     assert_eq!(count(), before + 1);
 
-    let (st, body) = post(&addr, "/v1/completions", &req("dead", "x", false));
-    assert_eq!(st, 503, "{body}");
-    assert!(body.contains("127.0.0.1:1"), "{body}");
+    // Whatever is down is named: an upstream, or a coordinator.
+    for model in ["dead", "gone"] {
+        let (st, body) = post(&addr, "/v1/completions", &req(model, "x", false));
+        assert_eq!(st, 503, "{body}");
+        assert!(body.contains("127.0.0.1:1"), "{body}");
+    }
 }
