@@ -15,7 +15,7 @@ use crate::ffi::ggml::{
 };
 use crate::kv::{KvCache, KvConfig};
 use crate::model::layers::LayerCx;
-use crate::model::ModelFile;
+use crate::model::{ModelFile, WeightOp};
 
 /// Which part of the model a stage runs.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -314,6 +314,14 @@ impl Weights {
         })
     }
 
+    /// Whether this stage holds the weight `name`, and if so whether it was
+    /// repacked (`Some(true)`) or is used from the memory map (`Some(false)`).
+    pub fn is_repacked(&self, name: &str) -> Option<bool> {
+        self.by_name
+            .get(name)
+            .map(|s| matches!(s, Slot::Repacked(_)))
+    }
+
     pub(crate) fn layer(&self, il: u32, name: &str) -> Option<Tensor<'_>> {
         self.get(&format!("blk.{il}.{name}"))
     }
@@ -326,27 +334,25 @@ impl Weights {
     ) -> Result<Weights, EngineError> {
         let g = &model.gguf;
         let hp = &model.hparams;
-        // Names this range uses, and whether each feeds a matmul only
-        // (only those may be repacked: the repacked layout cannot get_rows).
-        let mut wanted: Vec<(String, bool)> = Vec::new();
+        // Names this range uses, and the op each feeds (only matmul weights
+        // may be repacked: the repacked layout cannot get_rows).
+        let mut wanted: Vec<(String, WeightOp)> = Vec::new();
         let specs = hp.arch.layer_tensors(hp);
         for il in range.layers.clone() {
             for s in &specs {
                 let name = format!("blk.{il}.{}", s.name);
                 if g.tensor(&name).is_some() {
-                    let matmul = s.name.ends_with(".weight")
-                        && g.tensor(&name).is_some_and(|t| t.dims.len() == 2);
-                    wanted.push((name, matmul));
+                    wanted.push((name, s.op));
                 }
             }
         }
         if range.embed || (range.head && hp.tied_embeddings) {
-            wanted.push(("token_embd.weight".into(), false));
+            wanted.push(("token_embd.weight".into(), WeightOp::Other));
         }
         if range.head {
-            wanted.push(("output_norm.weight".into(), false));
+            wanted.push(("output_norm.weight".into(), WeightOp::Other));
             if !hp.tied_embeddings {
-                wanted.push(("output.weight".into(), true));
+                wanted.push(("output.weight".into(), WeightOp::MulMat));
             }
         }
 
@@ -362,13 +368,19 @@ impl Weights {
         let mut to_copy = Vec::new();
         let mut placed = Vec::new();
         let (mut mapped_bytes, mut repacked_bytes) = (0u64, 0u64);
-        for (name, matmul) in &wanted {
+        let n_used = hp.moe.as_ref().map_or(1, |m| m.n_expert_used as i64);
+        for (name, op) in &wanted {
             let info = g.tensor(name).expect("listed from the tensor table");
             let ne: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
             let ty = info.ggml_type.id();
             let idx = mapped.add(ty, &ne, name);
-            let use_repack = *matmul
-                && repack_buft.is_some_and(|b| ggml::buft_supports_mul_mat(b, mapped.get(idx)));
+            // Asked per op the way llama.cpp's loader asks, so the same
+            // weights end up repacked (and the same kernels run).
+            let use_repack = repack_buft.is_some_and(|b| match op {
+                WeightOp::MulMat => ggml::buft_supports_mul_mat(b, mapped.get(idx)),
+                WeightOp::MulMatId => ggml::buft_supports_mul_mat_id(b, mapped.get(idx), n_used),
+                WeightOp::Other => false,
+            });
             if use_repack {
                 let r = repacked.add(ty, &ne, name);
                 by_name.insert(name.clone(), Slot::Repacked(r));

@@ -479,7 +479,7 @@ fn architecture_gate() {
     assert!(matches!(err, GgufError::UnsupportedArchitecture { .. }));
     assert_eq!(
         err.to_string(),
-        "model architecture 'deepseek3_2' is not supported; supported: llama, qwen2, gemma3"
+        "model architecture 'deepseek3_2' is not supported; supported: llama, qwen2, gemma3, qwen3, qwen3moe"
     );
     let no_arch = parse(Builder::new(3).build());
     assert!(matches!(
@@ -1055,7 +1055,13 @@ fn unsupported_architecture_fixture() {
     let g = Gguf::open(&path).unwrap();
     let err = g.check_architecture(SUPPORTED_ARCHITECTURES).unwrap_err();
     assert!(matches!(err, GgufError::UnsupportedArchitecture { .. }));
-    assert_mentions(&err, &["deepseek3_2", "supported: llama, qwen2, gemma3"]);
+    assert_mentions(
+        &err,
+        &[
+            "deepseek3_2",
+            "supported: llama, qwen2, gemma3, qwen3, qwen3moe",
+        ],
+    );
 }
 
 #[test]

@@ -220,9 +220,40 @@ macro_rules! binary {
 }
 
 impl Ctx {
-    unary!(tanh => ggml_tanh);
-    binary!(mul_mat => ggml_mul_mat, add => ggml_add, mul => ggml_mul, get_rows => ggml_get_rows,
+    unary!(tanh => ggml_tanh, sigmoid => ggml_sigmoid, soft_max => ggml_soft_max,
+           sum_rows => ggml_sum_rows, cont => ggml_cont);
+    binary!(mul_mat => ggml_mul_mat, add => ggml_add, mul => ggml_mul, div => ggml_div,
+            get_rows => ggml_get_rows,
             geglu_split => ggml_geglu_split, swiglu_split => ggml_swiglu_split);
+
+    pub fn clamp<'a>(&'a self, a: Tensor<'_>, min: f32, max: f32) -> Tensor<'a> {
+        // SAFETY: valid handles.
+        self.wrap(unsafe { sys::ggml_clamp(self.raw.as_ptr(), a.raw.as_ptr(), min, max) })
+    }
+
+    /// Indices (I32) of the `k` largest values of each row, largest first:
+    /// a descending argsort and a view of its first `k` columns (so the
+    /// result is not contiguous). ggml asserts `k <= a.ne[0]`.
+    pub fn argsort_top_k<'a>(&'a self, a: Tensor<'_>, k: i64) -> Tensor<'a> {
+        let k = i32::try_from(k).expect("top-k count fits in i32");
+        // SAFETY: valid handles.
+        self.wrap(unsafe { sys::ggml_argsort_top_k(self.raw.as_ptr(), a.raw.as_ptr(), k) })
+    }
+
+    /// One matmul per (row, id): `as` holds one `[k, m]` matrix per expert
+    /// (`[k, m, n_expert]`), `b` is `[k, n_b, n_tokens]` and `ids` (I32
+    /// `[n_used, n_tokens]`) picks the experts; the result is `[m, n_used, n_tokens]`.
+    pub fn mul_mat_id<'a>(&'a self, as_: Tensor<'_>, b: Tensor<'_>, ids: Tensor<'_>) -> Tensor<'a> {
+        // SAFETY: valid handles.
+        self.wrap(unsafe {
+            sys::ggml_mul_mat_id(
+                self.raw.as_ptr(),
+                as_.raw.as_ptr(),
+                b.raw.as_ptr(),
+                ids.raw.as_ptr(),
+            )
+        })
+    }
 
     pub fn scale<'a>(&'a self, a: Tensor<'_>, s: f32) -> Tensor<'a> {
         // SAFETY: valid handles.
@@ -632,6 +663,32 @@ pub fn buft_supports_mul_mat(buft: BufferType, weight: Tensor<'_>) -> bool {
     unsafe { (*w.raw()).buffer = dummy };
     let x = ctx.new_tensor(TYPE_F32, &[ne[0], 512]);
     let op = ctx.mul_mat(w, x);
+    // SAFETY: valid device and op; then free the dummy buffer we allocated.
+    let ok = unsafe { sys::ggml_backend_dev_supports_op(cpu_device(), op.raw()) };
+    unsafe {
+        (*w.raw()).buffer = ptr::null_mut();
+        sys::ggml_backend_buffer_free(dummy);
+    }
+    ok
+}
+
+/// Would a `mul_mat_id(weight, x, ids)` with the 3-D expert `weight` stored
+/// in `buft` run on the CPU? Asked as llama.cpp's loader asks it (a dummy
+/// buffer, `n_used` experts per row, 512 rows).
+pub fn buft_supports_mul_mat_id(buft: BufferType, weight: Tensor<'_>, n_used: i64) -> bool {
+    let ctx = Ctx::new(4, false);
+    // SAFETY: zero-sized allocation of a valid buffer type.
+    let dummy = unsafe { sys::ggml_backend_buft_alloc_buffer(buft.0, 0) };
+    if dummy.is_null() {
+        return false;
+    }
+    let ne = weight.ne();
+    let w = ctx.new_tensor(weight.ty(), &ne[..weight.n_dims().max(1) as usize]);
+    // SAFETY: as in `buft_supports_mul_mat`.
+    unsafe { (*w.raw()).buffer = dummy };
+    let x = ctx.new_tensor(TYPE_F32, &[ne[0], n_used, 512]);
+    let ids = ctx.new_tensor(TYPE_I32, &[n_used, 512]);
+    let op = ctx.mul_mat_id(w, x, ids);
     // SAFETY: valid device and op; then free the dummy buffer we allocated.
     let ok = unsafe { sys::ggml_backend_dev_supports_op(cpu_device(), op.raw()) };
     unsafe {

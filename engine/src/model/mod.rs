@@ -5,7 +5,10 @@
 mod gemma3;
 pub(crate) mod layers;
 mod llama;
+pub(crate) mod moe;
 mod qwen2;
+mod qwen3;
+mod qwen3moe;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -23,6 +26,8 @@ pub enum Arch {
     Llama,
     Qwen2,
     Gemma3,
+    Qwen3,
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -31,6 +36,8 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -39,6 +46,8 @@ impl Arch {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "gemma3" => Arch::Gemma3,
+            "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             _ => return None,
         })
     }
@@ -49,6 +58,8 @@ impl Arch {
             Arch::Llama => llama::layer_tensors(hp),
             Arch::Qwen2 => qwen2::layer_tensors(hp),
             Arch::Gemma3 => gemma3::layer_tensors(hp),
+            Arch::Qwen3 => qwen3::layer_tensors(hp),
+            Arch::Qwen3Moe => qwen3moe::layer_tensors(hp),
         }
     }
 
@@ -62,17 +73,33 @@ impl Arch {
             Arch::Llama => llama::build_layer(cx, il, x),
             Arch::Qwen2 => qwen2::build_layer(cx, il, x),
             Arch::Gemma3 => gemma3::build_layer(cx, il, x),
+            Arch::Qwen3 => qwen3::build_layer(cx, il, x),
+            Arch::Qwen3Moe => qwen3moe::build_layer(cx, il, x),
         }
     }
 }
 
 /// A tensor an architecture expects: its GGUF name suffix (after `blk.N.`),
-/// its shape in ggml order (`ne[0]` innermost), and whether it must exist.
+/// its shape in ggml order (`ne[0]` innermost), whether it must exist, and
+/// the op that reads it (which decides whether it may be repacked).
 #[derive(Clone, Debug)]
 pub(crate) struct TensorSpec {
     pub name: &'static str,
     pub shape: Vec<u64>,
     pub required: bool,
+    pub op: WeightOp,
+}
+
+/// The op a weight feeds, as llama.cpp's tensor table records it: only
+/// matmul weights may live in the CPU's repacked layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WeightOp {
+    /// Norm weights, biases: read element-wise.
+    Other,
+    /// `mul_mat(w, x)` with a 2-D `w`.
+    MulMat,
+    /// `mul_mat_id(w, x, ids)` with a 3-D `w`, one matrix per expert.
+    MulMatId,
 }
 
 pub(crate) fn req(name: &'static str, shape: &[u32]) -> TensorSpec {
@@ -80,6 +107,19 @@ pub(crate) fn req(name: &'static str, shape: &[u32]) -> TensorSpec {
         name,
         shape: shape.iter().map(|&d| d as u64).collect(),
         required: true,
+        op: if shape.len() == 2 && name.ends_with(".weight") {
+            WeightOp::MulMat
+        } else {
+            WeightOp::Other
+        },
+    }
+}
+
+/// A required 3-D expert weight (`ffn_*_exps`), read by `mul_mat_id`.
+pub(crate) fn req_exps(name: &'static str, shape: &[u32; 3]) -> TensorSpec {
+    TensorSpec {
+        op: WeightOp::MulMatId,
+        ..req(name, shape)
     }
 }
 
@@ -98,6 +138,30 @@ pub struct SlidingWindow {
     pub is_swa: Vec<bool>,
     pub rope_freq_base: f32,
     pub rope_freq_scale: f32,
+}
+
+/// How a mixture-of-experts FFN routes tokens (llama.cpp's `build_moe_ffn` options).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MoeHparams {
+    /// Routed experts per layer (`{arch}.expert_count`).
+    pub n_expert: u32,
+    /// Experts each token uses (`{arch}.expert_used_count`).
+    pub n_expert_used: u32,
+    /// Hidden width of one expert (`{arch}.expert_feed_forward_length`).
+    pub n_ff_exp: u32,
+    pub gating: ExpertGating,
+    /// Renormalise the selected experts' weights so they sum to 1.
+    pub norm_weights: bool,
+    /// Multiplier on the selected experts' weights (1: none).
+    pub weights_scale: f32,
+}
+
+/// The function that turns router logits into expert probabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertGating {
+    Softmax,
+    Sigmoid,
 }
 
 /// Everything the graphs need to know about a model, all of it read from the file.
@@ -125,6 +189,8 @@ pub struct Hparams {
     pub final_logit_softcap: Option<f32>,
     /// Output projection is the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
+    /// Routed experts, for architectures whose FFN is a mixture of experts.
+    pub moe: Option<MoeHparams>,
 }
 
 impl Hparams {
@@ -319,11 +385,16 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
         })
     })?;
     let n_head_kv = uniform_u32(g, &k("attention.head_count_kv"), n_layer)?.unwrap_or(n_head);
-    let n_ff = uniform_u32(g, &k("feed_forward_length"), n_layer)?.ok_or_else(|| {
-        EngineError::Gguf(crate::gguf::GgufError::MissingKey {
-            key: k("feed_forward_length"),
-        })
-    })?;
+    // MoE files need no dense FFN width (llama.cpp reads it as optional).
+    let n_ff = match uniform_u32(g, &k("feed_forward_length"), n_layer)? {
+        Some(n) => n,
+        None if arch == Arch::Qwen3Moe => 0,
+        None => {
+            return Err(EngineError::Gguf(crate::gguf::GgufError::MissingKey {
+                key: k("feed_forward_length"),
+            }))
+        }
+    };
     let positive = |key: String, v: u32| {
         if v == 0 {
             Err(EngineError::BadHparam {
@@ -405,7 +476,7 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
     }
     let mode = match arch {
         Arch::Llama => ROPE_NORM,
-        Arch::Qwen2 | Arch::Gemma3 => ROPE_NEOX,
+        Arch::Qwen2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => ROPE_NEOX,
     };
     let rope = RopeParams {
         n_dims: n_rot as i32,
@@ -447,11 +518,14 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
         embed_scale: None,
         final_logit_softcap: None,
         tied_embeddings: g.tensor("output.weight").is_none(),
+        moe: None,
     };
     match arch {
         Arch::Llama => llama::adjust_hparams(g, &mut hp)?,
         Arch::Qwen2 => {}
         Arch::Gemma3 => gemma3::adjust_hparams(g, &mut hp)?,
+        Arch::Qwen3 => qwen3::adjust_hparams(&mut hp)?,
+        Arch::Qwen3Moe => qwen3moe::adjust_hparams(g, &mut hp)?,
     }
     if n_rot > head_dim_k || n_rot % 2 != 0 {
         return Err(EngineError::BadHparam {
@@ -459,5 +533,32 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
             why: format!("{n_rot} must be even and at most the head size {head_dim_k}"),
         });
     }
+    let nodes = graph_nodes_bound(&hp);
+    if nodes > crate::ffi::ggml::GRAPH_NODES {
+        return Err(EngineError::BadHparam {
+            key: k(if hp.moe.is_some() {
+                "expert_used_count"
+            } else {
+                "block_count"
+            }),
+            why: format!(
+                "one step of {n_layer} layers could need {nodes} graph nodes, more than the {} a ggml graph holds here",
+                crate::ffi::ggml::GRAPH_NODES
+            ),
+        });
+    }
     Ok(hp)
+}
+
+/// An upper bound of the nodes in one step's graph of the whole model, so
+/// that no file can overflow ggml's fixed-size graph (which aborts).
+/// Measured: 33-39 nodes per dense layer (qwen2, gemma3, qwen3), and
+/// 41 + 2 per used expert per MoE layer (the expert sum is a view and an
+/// add per expert).
+fn graph_nodes_bound(hp: &Hparams) -> usize {
+    let moe = hp
+        .moe
+        .as_ref()
+        .map_or(0, |m| 24 + 2 * m.n_expert_used as usize);
+    32 + hp.n_layer as usize * (48 + moe)
 }

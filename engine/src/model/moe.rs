@@ -1,0 +1,172 @@
+//! The mixture-of-experts feed-forward block, written after llama.cpp's
+//! `llm_graph_context::build_moe_ffn` (src/llama-graph.cpp) op for op, and
+//! the expert hyper-parameters every MoE architecture reads the same way.
+//!
+//! Only what qwen3moe needs is wired up, plus the options that cost one op
+//! (sigmoid gating, a selection bias, a weight scale); DeepSeek's
+//! group-limited routing is refused when a file asks for it.
+
+use super::layers::{Activation, LayerCx};
+use super::{key, uniform_u32, Arch, ExpertGating, MoeHparams};
+use crate::error::EngineError;
+use crate::ffi::ggml::Tensor;
+use crate::gguf::Gguf;
+
+/// llama.cpp's `LLAMA_MAX_EXPERTS`: it refuses files with more.
+const MAX_EXPERTS: u32 = 1024;
+
+/// The expert keys every MoE architecture shares. Routing options that
+/// differ per architecture (gating, normalisation, scale) start at the
+/// plain defaults (softmax, no renormalisation, no scale) for the
+/// architecture to adjust.
+pub(crate) fn read_hparams(
+    g: &Gguf,
+    arch: Arch,
+    n_layer: u32,
+    n_ff: u32,
+) -> Result<MoeHparams, EngineError> {
+    let k = |s: &str| key(arch, s);
+    let bad = |key: String, why: String| EngineError::BadHparam { key, why };
+    let n_expert = g.opt_u32(&k("expert_count"))?.unwrap_or(0);
+    if n_expert == 0 || n_expert > MAX_EXPERTS {
+        return Err(bad(
+            k("expert_count"),
+            format!(
+                "{n_expert} experts; a {} file needs 1 to {MAX_EXPERTS}",
+                arch.name()
+            ),
+        ));
+    }
+    let n_expert_used = uniform_u32(g, &k("expert_used_count"), n_layer)?.unwrap_or(0);
+    if n_expert_used == 0 || n_expert_used > n_expert {
+        return Err(bad(
+            k("expert_used_count"),
+            format!(
+                "{n_expert_used} experts per token, but it must be 1 to the {n_expert} experts"
+            ),
+        ));
+    }
+    // As llama.cpp: without the key, the dense width shared by the used experts.
+    let n_ff_exp = match uniform_u32(g, &k("expert_feed_forward_length"), n_layer)? {
+        Some(n) => n,
+        None => n_ff / n_expert_used,
+    };
+    if n_ff_exp == 0 {
+        return Err(bad(
+            k("expert_feed_forward_length"),
+            "an expert's hidden width must be positive".into(),
+        ));
+    }
+    if g.opt_u32(&k("expert_group_count"))?.unwrap_or(0) > 1 {
+        return Err(bad(
+            k("expert_group_count"),
+            "group-limited expert routing is not supported yet".into(),
+        ));
+    }
+    Ok(MoeHparams {
+        n_expert,
+        n_expert_used,
+        n_ff_exp,
+        gating: ExpertGating::Softmax,
+        norm_weights: false,
+        weights_scale: 1.0,
+    })
+}
+
+/// The weights of one layer's routed experts.
+pub(crate) struct MoeWeights<'g> {
+    /// Router, `[n_embd, n_expert]`.
+    pub gate_inp: Tensor<'g>,
+    /// `[n_embd, n_ff_exp, n_expert]`, `[n_embd, n_ff_exp, n_expert]`, `[n_ff_exp, n_embd, n_expert]`.
+    pub up_exps: Tensor<'g>,
+    pub gate_exps: Tensor<'g>,
+    pub down_exps: Tensor<'g>,
+    /// Bias added to the probabilities for choosing experts only, not to
+    /// their weights (DeepSeek V3's `exp_probs_b`), `[n_expert]`.
+    pub exp_probs_b: Option<Tensor<'g>>,
+}
+
+impl<'g> LayerCx<'g, '_> {
+    /// Layer `il`'s experts under their usual GGUF names.
+    pub fn moe_weights(&self, il: u32) -> MoeWeights<'g> {
+        MoeWeights {
+            gate_inp: self.w(il, "ffn_gate_inp.weight"),
+            up_exps: self.w(il, "ffn_up_exps.weight"),
+            gate_exps: self.w(il, "ffn_gate_exps.weight"),
+            down_exps: self.w(il, "ffn_down_exps.weight"),
+            exp_probs_b: self.w_opt(il, "exp_probs_b.bias"),
+        }
+    }
+
+    /// Routed experts on `x` (`[n_embd, n_tokens]`): router logits, gating,
+    /// top-k, the selected experts' weights (renormalised and scaled as `p`
+    /// says), each selected expert's gated FFN through `mul_mat_id`, and the
+    /// weighted sum. Node order is `build_moe_ffn`'s, so the numbers are too.
+    pub fn moe_ffn(
+        &mut self,
+        x: Tensor<'g>,
+        w: &MoeWeights<'g>,
+        p: &MoeHparams,
+        act: Activation,
+    ) -> Tensor<'g> {
+        let g = self.g;
+        let [n_embd, n_tokens, ..] = x.ne();
+        let (n_expert, n_used) = (p.n_expert as i64, p.n_expert_used as i64);
+
+        let logits = g.mul_mat(w.gate_inp, x); // [n_expert, n_tokens]
+        let probs = match p.gating {
+            ExpertGating::Softmax => g.soft_max(logits),
+            ExpertGating::Sigmoid => g.sigmoid(logits),
+        };
+        let selection_probs = match w.exp_probs_b {
+            Some(b) => g.add(probs, b),
+            None => probs,
+        };
+        let selected = g.argsort_top_k(selection_probs, n_used); // [n_used, n_tokens]
+
+        let probs = g.reshape(probs, &[1, n_expert, n_tokens]);
+        let mut weights = g.get_rows(probs, selected); // [1, n_used, n_tokens]
+        if p.norm_weights {
+            let w2 = g.reshape(weights, &[n_used, n_tokens]);
+            let sum = g.sum_rows(w2); // [1, n_tokens]
+                                      // Never divide by zero: the smallest normal F16, as llama.cpp clamps.
+            let sum = g.clamp(sum, 6.103_515_6e-5, f32::INFINITY);
+            let w2 = g.div(w2, sum);
+            weights = g.reshape(w2, &[1, n_used, n_tokens]);
+        }
+        if p.weights_scale != 0.0 && p.weights_scale != 1.0 {
+            weights = g.scale(weights, p.weights_scale);
+        }
+        self.graph.expand(weights);
+
+        let cur = g.reshape(x, &[n_embd, 1, n_tokens]);
+        let up = g.mul_mat_id(w.up_exps, cur, selected); // [n_ff_exp, n_used, n_tokens]
+        let gate = g.mul_mat_id(w.gate_exps, cur, selected);
+        let h = match act {
+            Activation::Silu => g.swiglu_split(gate, up),
+            Activation::GeluTanh => g.geglu_split(gate, up),
+        };
+        let experts = g.mul_mat_id(w.down_exps, h, selected); // [n_embd, n_used, n_tokens]
+        let experts = g.mul(experts, weights);
+        self.graph.expand(experts);
+
+        // Sum the experts as views added one by one, the views first.
+        let nb = experts.nb();
+        let views: Vec<Tensor<'g>> = (0..n_used as usize)
+            .map(|i| {
+                let v = g.view(experts, &[n_embd, n_tokens], &[nb[2]], i * nb[1]);
+                self.graph.expand(v);
+                v
+            })
+            .collect();
+        let mut out = views[0];
+        for &v in &views[1..] {
+            out = g.add(out, v);
+            self.graph.expand(out);
+        }
+        if n_used == 1 {
+            out = g.cont(out);
+        }
+        out
+    }
+}

@@ -1,0 +1,45 @@
+//! Qwen3-MoE (`qwen3moe`): Qwen3 attention and, in every block, routed
+//! experts instead of the dense FFN: softmax over the router logits, top-k,
+//! the selected weights renormalised to sum to 1 (llama.cpp's qwen3moe
+//! graph always does; no GGUF key says so), SiLU-gated experts.
+//! Reference: llama.cpp `src/models/qwen3moe.cpp`.
+
+use super::layers::{Activation, LayerCx};
+use super::{req, req_exps, Hparams, TensorSpec};
+use crate::error::EngineError;
+use crate::ffi::ggml::Tensor;
+use crate::gguf::Gguf;
+
+pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineError> {
+    super::qwen3::check_head_dims(hp)?;
+    let mut moe = super::moe::read_hparams(g, hp.arch, hp.n_layer, hp.n_ff)?;
+    moe.norm_weights = true;
+    hp.moe = Some(moe);
+    Ok(())
+}
+
+pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
+    let moe = hp
+        .moe
+        .as_ref()
+        .expect("qwen3moe hyper-parameters have experts");
+    let (e, f, n) = (hp.n_embd, moe.n_ff_exp, moe.n_expert);
+    let mut v = super::qwen3::attention_tensors(hp);
+    v.extend([
+        req("ffn_gate_inp.weight", &[e, n]),
+        req_exps("ffn_gate_exps.weight", &[e, f, n]),
+        req_exps("ffn_down_exps.weight", &[f, e, n]),
+        req_exps("ffn_up_exps.weight", &[e, f, n]),
+    ]);
+    v
+}
+
+pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
+    let ffn_inp = super::qwen3::attention_block(cx, il, x);
+    let h = cx.rms_norm(ffn_inp, cx.w(il, "ffn_norm.weight"));
+    let hp = cx.hp;
+    let moe = hp.moe.as_ref().expect("validated at open");
+    let w = cx.moe_weights(il);
+    let h = cx.moe_ffn(h, &w, moe, Activation::Silu);
+    cx.g.add(h, ffn_inp)
+}
