@@ -217,8 +217,11 @@ fn pct(x: f64) -> String {
 ///   once (ggml frees and reuses them, so the real peak is lower):
 ///   attention `4n·(3e + 3q + 3kv + o)` (input, norm, projection output;
 ///   Q and K also normed and roped, V, the attention output),
-///   feed-forward `4n·(4e + 3f)` (input, norm, gate, up, activation, down);
-///   the larger of the two;
+///   feed-forward `4n·(4e + 3f)` (input, norm, gate, up, activation, down),
+///   or for a mixture of experts (`x` experts, `u` used, `fx` wide)
+///   `4n·(4e + 3x + u·(3fx + 2e))` (router logits, probabilities and
+///   selection; each used expert's gate, up, activation, output and
+///   weighted copy) when that is larger; the larger of attention and FFN;
 /// - the head: the final norm (4en) and the logits of all n tokens (4Vn);
 /// - 1 MiB for alignment and the small tensors ggml adds.
 ///
@@ -257,7 +260,13 @@ impl ComputeEstimate {
         let o = (hp.n_head * hp.head_dim_v) as u64;
         let kv = hp.n_embd_k_gqa().max(hp.n_embd_v_gqa()) as u64;
         let attn = 3 * e + 3 * q + 3 * kv + o;
-        let ffn = 4 * e + 3 * f;
+        let mut ffn = 4 * e + 3 * f;
+        if let Some(m) = &hp.moe {
+            let (x, used, fx) = (m.n_expert as u64, m.n_expert_used as u64, m.n_ff_exp as u64);
+            // Router logits, probabilities and selection; per used expert
+            // its gate, up and activation, its output and weighted copy.
+            ffn = ffn.max(4 * e + 3 * x + used * (3 * fx + 2 * e));
+        }
         ComputeEstimate {
             n_tokens: n,
             n_kv: k,
