@@ -551,3 +551,27 @@ fn long_prompt_is_prefilled_in_chunks() {
     let ev = c.generate(greedy(&p, N_GEN)).unwrap();
     assert_eq!(ids(&ev), want, "{} prompt tokens in chunks of 16", p.len());
 }
+
+/// The synthetic mixture-of-experts models, split across two workers over
+/// each transport, give llama.cpp's greedy tokens from their own fixture
+/// (every prompt, all 32 steps).
+#[test]
+fn moe_models_split_across_workers_give_llama_cpp_tokens() {
+    let _g = serial();
+    for name in ["qwen3moe-f32", "qwen3moe-q8_0", "qwen3moe-q4_k_m"] {
+        let file = fixtures_dir().join(format!("synthetic/tiny-{name}.gguf"));
+        let fx = json(&format!("synthetic/ref_tiny-{name}.json"));
+        for transport in ["shm", "grpc"] {
+            let cluster = Cluster::start(&file, &ClusterSpec::new(2, transport));
+            for g in fx["generations"].as_array().unwrap() {
+                let prompt = omni_tests::fixtures::ids(&g["prompt_ids"]);
+                let want = omni_tests::fixtures::ids(&g["generated_ids"]);
+                let ev = cluster
+                    .generate(greedy(&prompt, want.len()))
+                    .unwrap_or_else(|e| panic!("{e}\n{}", cluster.logs()));
+                assert_eq!(ids(&ev), want, "{name}, 2 stages over {transport}");
+            }
+            eprintln!("{name}: 2 stages over {transport}: llama.cpp's tokens");
+        }
+    }
+}
