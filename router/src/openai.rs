@@ -179,6 +179,16 @@ impl ApiError {
         )
     }
 
+    /// 405 for a served path asked with the wrong method (the `Allow` header lists the right
+    /// ones).
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(
+            405,
+            INVALID_REQUEST,
+            format!("{path} does not serve {method}; the `Allow` header lists the methods it does"),
+        )
+    }
+
     /// 413 for a body over the configured limit.
     pub fn body_too_large(limit_bytes: usize) -> Self {
         Self::new(

@@ -677,6 +677,11 @@ fn error_bodies_have_openais_shape() {
             404,
             Some("model_not_found"),
         ),
+        (
+            ApiError::method_not_allowed("GET", "/v1/completions"),
+            405,
+            None,
+        ),
         (ApiError::body_too_large(1 << 20), 413, None),
         (
             ApiError::unsupported_media_type(Some("text/plain")),
