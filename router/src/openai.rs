@@ -179,6 +179,16 @@ impl ApiError {
         )
     }
 
+    /// 405 for a served path asked with the wrong method (the `Allow` header lists the right
+    /// ones).
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(
+            405,
+            INVALID_REQUEST,
+            format!("{path} does not serve {method}; the `Allow` header lists the methods it does"),
+        )
+    }
+
     /// 413 for a body over the configured limit.
     pub fn body_too_large(limit_bytes: usize) -> Self {
         Self::new(
@@ -356,6 +366,31 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 // Requests
 // ---------------------------------------------------------------------------------------
 
+/// The value of a JSON number that is an integer in JSON Schema's sense (OpenAI's spec types
+/// `n`, `max_tokens`, `seed`, token ids... as `integer`): no fractional part, so `5.0` is 5.
+fn integral(n: &Number) -> Option<i64> {
+    const LIMIT: f64 = 9_223_372_036_854_775_808.0; // 2^63
+    n.as_i64().or_else(|| {
+        n.as_f64()
+            .filter(|f| f.fract() == 0.0 && (-LIMIT..LIMIT).contains(f))
+            .map(|f| f as i64)
+    })
+}
+
+/// `deserialize_with` for an optional integer field: see [`integral`].
+fn integer<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    match Option::<Number>::deserialize(d)? {
+        None => Ok(None),
+        Some(n) => integral(&n).map(Some).ok_or_else(|| {
+            serde::de::Error::custom(format_args!(
+                "invalid value: {n}, expected an integer from {} to {}",
+                i64::MIN,
+                i64::MAX
+            ))
+        }),
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
@@ -377,10 +412,13 @@ pub struct ChatMessageParam {
 pub struct ChatCompletionRequest {
     pub model: String,
     pub messages: Vec<ChatMessageParam>,
+    #[serde(default, deserialize_with = "integer")]
     pub max_tokens: Option<i64>,
+    #[serde(default, deserialize_with = "integer")]
     pub max_completion_tokens: Option<i64>,
     /// A string or an array of up to [`MAX_STOP`] strings.
     pub stop: Option<Value>,
+    #[serde(default, deserialize_with = "integer")]
     pub n: Option<i64>,
     pub seed: Option<Number>,
     pub temperature: Option<f64>,
@@ -390,10 +428,12 @@ pub struct ChatCompletionRequest {
     /// Token id (as a string) to a bias in -100..=100.
     pub logit_bias: Option<BTreeMap<String, f64>>,
     pub logprobs: Option<bool>,
+    #[serde(default, deserialize_with = "integer")]
     pub top_logprobs: Option<i64>,
     pub user: Option<String>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    #[serde(default, deserialize_with = "integer")]
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
@@ -414,8 +454,10 @@ pub struct CompletionRequest {
     /// token ids.
     pub prompt: Option<Value>,
     /// Absent or null: [`COMPLETION_DEFAULT_MAX_TOKENS`], as OpenAI.
+    #[serde(default, deserialize_with = "integer")]
     pub max_tokens: Option<i64>,
     pub stop: Option<Value>,
+    #[serde(default, deserialize_with = "integer")]
     pub n: Option<i64>,
     pub seed: Option<Number>,
     pub temperature: Option<f64>,
@@ -424,13 +466,16 @@ pub struct CompletionRequest {
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<BTreeMap<String, f64>>,
     /// How many alternatives to report per token, 0..=5.
+    #[serde(default, deserialize_with = "integer")]
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
+    #[serde(default, deserialize_with = "integer")]
     pub best_of: Option<i64>,
     pub user: Option<String>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    #[serde(default, deserialize_with = "integer")]
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
@@ -522,7 +567,7 @@ impl Common<'_> {
         let Some(n) = self.seed else { return Ok(None) };
         // OpenAI's seed is an int64; negative seeds keep their bits.
         n.as_u64()
-            .or_else(|| n.as_i64().map(|i| i as u64))
+            .or_else(|| integral(n).map(|i| i as u64))
             .map(Some)
             .ok_or_else(|| ApiError::out_of_range("seed", n, "an integer"))
     }
@@ -870,9 +915,9 @@ impl ChatCompletionRequest {
 
 /// A token id in a completions prompt.
 fn prompt_id(v: &Value, at: &str) -> Result<u32, ApiError> {
-    v.as_u64()
-        .filter(|&id| id <= u32::MAX as u64)
-        .map(|id| id as u32)
+    v.as_number()
+        .and_then(integral)
+        .and_then(|id| u32::try_from(id).ok())
         .ok_or_else(|| {
             ApiError::invalid(
                 "prompt",

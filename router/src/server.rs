@@ -165,6 +165,9 @@ pub fn app(state: Shared) -> Router {
         )
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::method_not_allowed(req.method().as_str(), req.uri().path())
+        })
         .fallback(|req: Request| async move {
             ApiError::route_not_found(req.method().as_str(), req.uri().path())
         })

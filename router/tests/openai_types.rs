@@ -639,6 +639,52 @@ fn malformed_bodies_are_400_and_name_the_field() {
 }
 
 #[test]
+fn integers_may_have_a_zero_fraction() {
+    // OpenAI's spec types these as JSON Schema `integer`, which 8.0 is; schemathesis sends
+    // such values, and so can any client that keeps numbers as floats.
+    let body = chat_with(json!({
+        "n": 2.0, "max_tokens": 8.0, "max_completion_tokens": 6.0, "seed": 7.0,
+        "logprobs": true, "top_logprobs": 3.0, "top_k": 40.0,
+    }));
+    let req: ChatCompletionRequest = parse_json(body.to_string().as_bytes()).unwrap();
+    assert_eq!(req.n(), 2);
+    let g = req.to_generate().unwrap();
+    assert_eq!((g.max_tokens, g.top_logprobs), (6, 3));
+    let s = g.sampling.unwrap();
+    assert_eq!((s.seed, s.top_k), (Some(7), 40));
+    let g = completion(completion_with(json!({
+        "prompt": [2.0, 9259.0], "max_tokens": 4.0, "logprobs": 2.0, "best_of": 1.0,
+    })))
+    .unwrap();
+    assert_eq!(
+        g.prompt,
+        Some(Prompt::Ids(omni_proto::coordinator::v1::TokenIds {
+            ids: vec![2, 9259]
+        }))
+    );
+    assert_eq!((g.max_tokens, g.top_logprobs), (4, 2));
+
+    // A fraction is still a 400 that names the field.
+    let e = chat(chat_with(json!({"n": 1.5}))).unwrap_err();
+    assert_eq!((e.status, e.param.as_deref()), (400, Some("n")));
+    assert!(
+        e.message
+            .starts_with("n: invalid value: 1.5, expected an integer"),
+        "{}",
+        e.message
+    );
+    let e = chat(chat_with(json!({"max_tokens": 1e300}))).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    let e = chat(chat_with(json!({"seed": 0.5}))).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("seed"));
+    let e = completion(completion_with(json!({"prompt": [1, 2.5]}))).unwrap_err();
+    assert_eq!(
+        e.message,
+        "prompt[1] is 2.5 but token ids must be integers from 0 to 4294967295"
+    );
+}
+
+#[test]
 fn each_choice_gets_its_own_seed() {
     let mut base = chat(chat_with(json!({"n": 3, "seed": 7}))).unwrap();
     base.request_id = "chatcmpl-x".into();
@@ -676,6 +722,11 @@ fn error_bodies_have_openais_shape() {
             ApiError::model_not_found("gpt-9", &["gemma".into(), "auto".into()]),
             404,
             Some("model_not_found"),
+        ),
+        (
+            ApiError::method_not_allowed("GET", "/v1/completions"),
+            405,
+            None,
         ),
         (ApiError::body_too_large(1 << 20), 413, None),
         (
