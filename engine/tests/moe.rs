@@ -75,7 +75,18 @@ fn tolerance(quant: &str) -> f32 {
 /// Teacher-forced logits (one batch of 24 tokens), then both greedy runs,
 /// of `tiny-qwen3moe-{quant}.gguf` split as `split`, against its reference.
 fn check_qwen3moe(quant: &str, split: Option<&[u32]>) {
-    let name = format!("tiny-qwen3moe-{quant}");
+    check_synthetic("qwen3moe", quant, split);
+}
+
+/// Teacher-forced logits (one batch of 24 tokens), then both greedy runs,
+/// of `tiny-{model}-{quant}.gguf` split as `split`, against its reference.
+/// Returns the teacher-forced logits and the greedy ids of both prompts.
+fn check_synthetic(
+    model: &str,
+    quant: &str,
+    split: Option<&[u32]>,
+) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
+    let name = format!("tiny-{model}-{quant}");
     let fx = json(&format!("synthetic/ref_{name}.json"));
     let tol = tolerance(quant);
     let mut engine =
@@ -90,6 +101,8 @@ fn check_qwen3moe(quant: &str, split: Option<&[u32]>) {
     assert_eq!(shape, [input.len(), 512]);
     let got = engine.logits_all(0, &input).unwrap();
     assert_eq!(got.len(), input.len());
+    let tf_logits = got.clone();
+    let mut greedy_ids = Vec::new();
     let mut tf_max = 0.0f32;
     let mut argmax_equal = 0;
     for (i, row) in got.iter().enumerate() {
@@ -124,6 +137,7 @@ fn check_qwen3moe(quant: &str, split: Option<&[u32]>) {
         engine.remove_seq(0);
         let mut logits = engine.prefill(0, &prompt, 0).unwrap();
         let (mut matched, mut top5_max) = (0, 0.0f32);
+        let mut ours_ids = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             for pair in step["top5"].as_array().unwrap() {
                 let (tid, v) = (
@@ -148,12 +162,14 @@ fn check_qwen3moe(quant: &str, split: Option<&[u32]>) {
                 break;
             }
             matched = i + 1;
+            ours_ids.push(tok);
             if i + 1 < steps.len() {
                 let mut b = Batch::default();
                 b.push(tok, (prompt.len() + i) as i32, 0, true);
                 logits = engine.step(&b).unwrap().row(0).to_vec();
             }
         }
+        greedy_ids.push(ours_ids);
         greedy_report.push(format!(
             "prompt {gi}: {matched}/{} ids equal, top-5 max |diff| {top5_max:.2e}",
             steps.len()
@@ -171,6 +187,7 @@ fn check_qwen3moe(quant: &str, split: Option<&[u32]>) {
         failures.len(),
         failures.join("\n")
     );
+    (tf_logits, greedy_ids)
 }
 
 #[test]
@@ -627,4 +644,18 @@ fn bad_expert_metadata_and_shapes_are_refused_at_open() {
         .collect();
     let msg = open_err(dir.path(), &kvs, &t).to_string();
     assert!(msg.contains("blk.3.ffn_up_exps.weight"), "{msg}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// deepseek2: the current MLA layout and the legacy attn_kv_b layout of the same weights.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn deepseek2_mla_f32_matches_llama_cpp() {
+    check_synthetic("deepseek2-mla", "f32", None);
+}
+
+#[test]
+fn deepseek2_legacy_f32_matches_llama_cpp() {
+    check_synthetic("deepseek2-legacy", "f32", None);
 }
