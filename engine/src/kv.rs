@@ -44,6 +44,8 @@ pub struct KvCache {
     /// Whether each layer has a V tensor after its K (not for absorbed MLA).
     has_v: bool,
     first_layer: u32,
+    /// Layers the store holds tensors for.
+    store_layers: usize,
     store: TensorStore,
     _buffer: Option<Buffer>,
     cells: Vec<Option<Cell>>,
@@ -99,6 +101,7 @@ impl KvCache {
             cfg,
             has_v,
             first_layer: layers.start,
+            store_layers: layers.len(),
             store,
             _buffer: buffer,
             cells: vec![None; cfg.n_cells()],
@@ -123,6 +126,14 @@ impl KvCache {
     pub fn k(&self, il: u32) -> Tensor<'_> {
         let per_layer = if self.has_v { 2 } else { 1 };
         self.store.get(per_layer * (il - self.first_layer) as usize)
+    }
+
+    /// Bytes of the K and V tensors this cache allocated.
+    pub fn allocated_bytes(&self) -> u64 {
+        let per_layer = if self.has_v { 2 } else { 1 };
+        (0..self.store_layers * per_layer)
+            .map(|i| self.store.get(i).nbytes() as u64)
+            .sum()
     }
 
     /// Cells in use.
