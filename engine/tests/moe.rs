@@ -899,6 +899,10 @@ fn bad_deepseek2_metadata_and_shapes_are_refused_at_open() {
             "deepseek2.expert_shared_count",
         ),
         (
+            with("deepseek2.nextn_predict_layers", Value::U32(1)),
+            "deepseek2.nextn_predict_layers",
+        ),
+        (
             with("deepseek2.attention.temperature_scale", Value::F32(0.5)),
             "deepseek2.attention.temperature_scale",
         ),

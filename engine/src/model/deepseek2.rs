@@ -80,6 +80,16 @@ pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineErr
             ),
         );
     }
+    // llama.cpp counts multi-token-prediction blocks in block_count and
+    // runs only the others; running them as ordinary blocks would be wrong.
+    if let Some(n) = g.opt_u32(&k("nextn_predict_layers"))? {
+        if n != 0 {
+            return bad(
+                k("nextn_predict_layers"),
+                format!("{n} multi-token-prediction blocks are not supported"),
+            );
+        }
+    }
     if let Some(s) = g.opt_f32(&k("attention.temperature_scale"))? {
         if s != 0.0 {
             return bad(
