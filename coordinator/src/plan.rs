@@ -738,7 +738,7 @@ fn notes(
             "output.weight"
         }
     )];
-    let (kd, vd) = (hp.n_embd_k_gqa(), hp.n_embd_v_gqa());
+    let (kd, vd) = (hp.n_embd_k_gqa(), hp.n_embd_v_cache());
     notes.push(format!(
         "KV cache: F16 K and V, 2 bytes x ({kd} + {vd}) per cell x {} ctx x {} seqs = {} per layer",
         cfg.n_ctx,

@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 /// Architectures the engine can run; pass to [`Gguf::check_architecture`].
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "gemma3", "qwen3", "qwen3moe"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] =
+    &["llama", "qwen2", "gemma3", "qwen3", "qwen3moe", "deepseek2"];
 
 /// Alignment of the data section when `general.alignment` is absent (llama.cpp's default).
 pub const DEFAULT_ALIGNMENT: u32 = 32;

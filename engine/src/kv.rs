@@ -32,16 +32,20 @@ impl KvConfig {
         self.n_ctx * self.n_seq
     }
 
-    /// Bytes for `n_layers` layers of this model (F16 K and V).
+    /// Bytes for `n_layers` layers of this model (F16 K and V; K only for
+    /// absorbed MLA, see [`Hparams::n_embd_v_cache`]).
     pub fn bytes(&self, hp: &Hparams, n_layers: usize) -> u64 {
-        let per_cell = 2 * (hp.n_embd_k_gqa() + hp.n_embd_v_gqa()) as u64;
-        per_cell * self.n_cells() as u64 * n_layers as u64
+        hp.kv_bytes_per_token_layer() * self.n_cells() as u64 * n_layers as u64
     }
 }
 
 pub struct KvCache {
     cfg: KvConfig,
+    /// Whether each layer has a V tensor after its K (not for absorbed MLA).
+    has_v: bool,
     first_layer: u32,
+    /// Layers the store holds tensors for.
+    store_layers: usize,
     store: TensorStore,
     _buffer: Option<Buffer>,
     cells: Vec<Option<Cell>>,
@@ -64,6 +68,7 @@ impl KvCache {
                 cfg.n_ctx, cfg.n_seq
             )));
         }
+        let has_v = hp.n_embd_v_cache() > 0;
         let mut store = TensorStore::new(2 * layers.len());
         for il in layers.clone() {
             store.add(
@@ -71,11 +76,13 @@ impl KvCache {
                 &[hp.n_embd_k_gqa() as i64, cfg.n_cells() as i64],
                 &format!("cache_k_l{il}"),
             );
-            store.add(
-                TYPE_F16,
-                &[hp.n_embd_v_gqa() as i64, cfg.n_cells() as i64],
-                &format!("cache_v_l{il}"),
-            );
+            if has_v {
+                store.add(
+                    TYPE_F16,
+                    &[hp.n_embd_v_cache() as i64, cfg.n_cells() as i64],
+                    &format!("cache_v_l{il}"),
+                );
+            }
         }
         let buffer = if store.is_empty() {
             None
@@ -92,7 +99,9 @@ impl KvCache {
         };
         Ok(KvCache {
             cfg,
+            has_v,
             first_layer: layers.start,
+            store_layers: layers.len(),
             store,
             _buffer: buffer,
             cells: vec![None; cfg.n_cells()],
@@ -105,10 +114,26 @@ impl KvCache {
         self.cfg
     }
 
-    /// K and V tensors of layer `il` (`[n_embd_gqa, n_cells]`).
+    /// K and V tensors of layer `il` (`[n_embd_gqa, n_cells]`). Panics for
+    /// a cache without V (absorbed MLA reads its values from [`Self::k`]).
     pub fn layer(&self, il: u32) -> (Tensor<'_>, Tensor<'_>) {
+        assert!(self.has_v, "this KV cache holds no V tensors");
         let i = 2 * (il - self.first_layer) as usize;
         (self.store.get(i), self.store.get(i + 1))
+    }
+
+    /// The K tensor of layer `il` (`[n_embd_k_gqa, n_cells]`).
+    pub fn k(&self, il: u32) -> Tensor<'_> {
+        let per_layer = if self.has_v { 2 } else { 1 };
+        self.store.get(per_layer * (il - self.first_layer) as usize)
+    }
+
+    /// Bytes of the K and V tensors this cache allocated.
+    pub fn allocated_bytes(&self) -> u64 {
+        let per_layer = if self.has_v { 2 } else { 1 };
+        (0..self.store_layers * per_layer)
+            .map(|i| self.store.get(i).nbytes() as u64)
+            .sum()
     }
 
     /// Cells in use.

@@ -337,9 +337,8 @@ impl Weights {
         // Names this range uses, and the op each feeds (only matmul weights
         // may be repacked: the repacked layout cannot get_rows).
         let mut wanted: Vec<(String, WeightOp)> = Vec::new();
-        let specs = hp.arch.layer_tensors(hp);
         for il in range.layers.clone() {
-            for s in &specs {
+            for s in &hp.arch.layer_tensors(hp, il) {
                 let name = format!("blk.{il}.{}", s.name);
                 if g.tensor(&name).is_some() {
                     wanted.push((name, s.op));

@@ -59,7 +59,7 @@ fn deepseek3_2_is_refused_by_name_before_loading() {
     let msg = err.to_string();
     assert!(
         msg.contains("'deepseek3_2' is not supported")
-            && msg.contains("supported: llama, qwen2, gemma3, qwen3, qwen3moe"),
+            && msg.contains("supported: llama, qwen2, gemma3, qwen3, qwen3moe, deepseek2"),
         "{msg}"
     );
 }

@@ -479,7 +479,7 @@ fn architecture_gate() {
     assert!(matches!(err, GgufError::UnsupportedArchitecture { .. }));
     assert_eq!(
         err.to_string(),
-        "model architecture 'deepseek3_2' is not supported; supported: llama, qwen2, gemma3, qwen3, qwen3moe"
+        "model architecture 'deepseek3_2' is not supported; supported: llama, qwen2, gemma3, qwen3, qwen3moe, deepseek2"
     );
     let no_arch = parse(Builder::new(3).build());
     assert!(matches!(
@@ -1059,7 +1059,7 @@ fn unsupported_architecture_fixture() {
         &err,
         &[
             "deepseek3_2",
-            "supported: llama, qwen2, gemma3, qwen3, qwen3moe",
+            "supported: llama, qwen2, gemma3, qwen3, qwen3moe, deepseek2",
         ],
     );
 }

@@ -231,6 +231,35 @@ impl Ctx {
         self.wrap(unsafe { sys::ggml_clamp(self.raw.as_ptr(), a.raw.as_ptr(), min, max) })
     }
 
+    /// `a` and `b` joined along `dim` (ggml asserts the other dims agree).
+    pub fn concat<'a>(&'a self, a: Tensor<'_>, b: Tensor<'_>, dim: i32) -> Tensor<'a> {
+        // SAFETY: valid handles.
+        self.wrap(unsafe {
+            sys::ggml_concat(self.raw.as_ptr(), a.raw.as_ptr(), b.raw.as_ptr(), dim)
+        })
+    }
+
+    /// `a` tiled to the shape `ne` (each dim a multiple of `a`'s).
+    pub fn repeat_4d<'a>(&'a self, a: Tensor<'_>, ne: [i64; 4]) -> Tensor<'a> {
+        // SAFETY: valid handles.
+        self.wrap(unsafe {
+            sys::ggml_repeat_4d(
+                self.raw.as_ptr(),
+                a.raw.as_ptr(),
+                ne[0],
+                ne[1],
+                ne[2],
+                ne[3],
+            )
+        })
+    }
+
+    /// A new tensor of `a`'s shape with every element `c`.
+    pub fn fill<'a>(&'a self, a: Tensor<'_>, c: f32) -> Tensor<'a> {
+        // SAFETY: valid handles.
+        self.wrap(unsafe { sys::ggml_fill(self.raw.as_ptr(), a.raw.as_ptr(), c) })
+    }
+
     /// Indices (I32) of the `k` largest values of each row, largest first:
     /// a descending argsort and a view of its first `k` columns (so the
     /// result is not contiguous). ggml asserts `k <= a.ne[0]`.
@@ -360,6 +389,22 @@ impl Ctx {
                 p.beta_slow,
             )
         })
+    }
+
+    /// [`Ctx::rope_ext`] on the `p.n_dims` elements of each row that start
+    /// at `offset`; the others are copied (llama.cpp's `ggml_rope_set_offset`).
+    pub fn rope_ext_at<'a>(
+        &'a self,
+        a: Tensor<'_>,
+        pos: Tensor<'_>,
+        p: &RopeParams,
+        offset: i32,
+    ) -> Tensor<'a> {
+        let t = self.rope_ext(a, pos, None, p);
+        // SAFETY: `t` is the rope node just built and `offset` is not negative
+        // (ggml asserts both; callers pass a head width).
+        unsafe { sys::ggml_rope_set_offset(t.raw.as_ptr(), offset.max(0)) };
+        t
     }
 
     /// Flash attention with an F16 mask, F32 accumulation (as llama.cpp sets it).

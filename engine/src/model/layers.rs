@@ -162,13 +162,30 @@ impl<'g> LayerCx<'g, '_> {
 
     /// Gated feed-forward `down(act(gate(x)) * up(x))`.
     pub fn ffn_gated(&self, il: u32, x: Tensor<'g>, act: Activation) -> Tensor<'g> {
-        let up = self.g.mul_mat(self.w(il, "ffn_up.weight"), x);
-        let gate = self.g.mul_mat(self.w(il, "ffn_gate.weight"), x);
+        self.ffn_gated_named(
+            il,
+            x,
+            act,
+            ["ffn_up.weight", "ffn_gate.weight", "ffn_down.weight"],
+        )
+    }
+
+    /// [`Self::ffn_gated`] with the weights `[up, gate, down]` of layer `il`
+    /// under other names (DeepSeek's shared experts: `ffn_*_shexp`).
+    pub fn ffn_gated_named(
+        &self,
+        il: u32,
+        x: Tensor<'g>,
+        act: Activation,
+        [up, gate, down]: [&str; 3],
+    ) -> Tensor<'g> {
+        let up = self.g.mul_mat(self.w(il, up), x);
+        let gate = self.g.mul_mat(self.w(il, gate), x);
         let h = match act {
             Activation::Silu => self.g.swiglu_split(gate, up),
             Activation::GeluTanh => self.g.geglu_split(gate, up),
         };
-        self.g.mul_mat(self.w(il, "ffn_down.weight"), h)
+        self.g.mul_mat(self.w(il, down), h)
     }
 }
 

@@ -2,6 +2,7 @@
 //! and the tensors each architecture expects. One file per architecture
 //! holds its hyper-parameter quirks, its tensor list and its layer graph.
 
+mod deepseek2;
 mod gemma3;
 pub(crate) mod layers;
 mod llama;
@@ -28,6 +29,7 @@ pub enum Arch {
     Gemma3,
     Qwen3,
     Qwen3Moe,
+    Deepseek2,
 }
 
 impl Arch {
@@ -38,6 +40,7 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 
@@ -48,18 +51,20 @@ impl Arch {
             "gemma3" => Arch::Gemma3,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
+            "deepseek2" => Arch::Deepseek2,
             _ => return None,
         })
     }
 
-    /// The tensors of one layer this architecture reads, with their shapes.
-    pub(crate) fn layer_tensors(self, hp: &Hparams) -> Vec<TensorSpec> {
+    /// The tensors of layer `il` this architecture reads, with their shapes.
+    pub(crate) fn layer_tensors(self, hp: &Hparams, il: u32) -> Vec<TensorSpec> {
         match self {
             Arch::Llama => llama::layer_tensors(hp),
             Arch::Qwen2 => qwen2::layer_tensors(hp),
             Arch::Gemma3 => gemma3::layer_tensors(hp),
             Arch::Qwen3 => qwen3::layer_tensors(hp),
             Arch::Qwen3Moe => qwen3moe::layer_tensors(hp),
+            Arch::Deepseek2 => deepseek2::layer_tensors(hp, il),
         }
     }
 
@@ -75,6 +80,7 @@ impl Arch {
             Arch::Gemma3 => gemma3::build_layer(cx, il, x),
             Arch::Qwen3 => qwen3::build_layer(cx, il, x),
             Arch::Qwen3Moe => qwen3moe::build_layer(cx, il, x),
+            Arch::Deepseek2 => deepseek2::build_layer(cx, il, x),
         }
     }
 }
@@ -154,6 +160,12 @@ pub struct MoeHparams {
     pub norm_weights: bool,
     /// Multiplier on the selected experts' weights (1: none).
     pub weights_scale: f32,
+    /// Group-limited routing (DeepSeek V3): the experts form
+    /// `n_expert_groups` equal groups, each scored by the sum of its two best
+    /// selection scores, and only the `n_group_used` best groups' experts may
+    /// be chosen. 0 or 1 groups: no limit.
+    pub n_expert_groups: u32,
+    pub n_group_used: u32,
 }
 
 /// The function that turns router logits into expert probabilities.
@@ -162,6 +174,30 @@ pub struct MoeHparams {
 pub enum ExpertGating {
     Softmax,
     Sigmoid,
+}
+
+/// Multi-head latent attention (DeepSeek V2/V3): queries through an optional
+/// low-rank `q_a`/`q_b` pair, keys and values decompressed from one shared
+/// `kv_lora_rank` latent plus a roped part common to all heads.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MlaHparams {
+    /// Rank of the query compression (`attention.q_lora_rank`); 0: a plain `attn_q`.
+    pub q_lora_rank: u32,
+    /// Rank of the shared key/value latent (`attention.kv_lora_rank`).
+    pub kv_lora_rank: u32,
+    /// Per-head key width without rope, and the roped width (`rope.dimension_count`).
+    pub n_embd_head_qk_nope: u32,
+    pub n_embd_head_qk_rope: u32,
+    /// Per-head value width once decompressed.
+    pub n_embd_head_v: u32,
+    /// The current layout (`attn_k_b`/`attn_v_b`, `*_mla` key lengths): the
+    /// latent is cached and `attn_k_b` absorbed into the queries. Otherwise
+    /// the legacy `attn_kv_b` layout, whose decompressed K and V are cached.
+    pub absorbed: bool,
+    /// Leading blocks with a dense FFN (`leading_dense_block_count`).
+    pub n_layer_dense_lead: u32,
+    /// Shared experts in every MoE block (`expert_shared_count`).
+    pub n_expert_shared: u32,
 }
 
 /// Everything the graphs need to know about a model, all of it read from the file.
@@ -191,6 +227,8 @@ pub struct Hparams {
     pub tied_embeddings: bool,
     /// Routed experts, for architectures whose FFN is a mixture of experts.
     pub moe: Option<MoeHparams>,
+    /// Multi-head latent attention (deepseek2).
+    pub mla: Option<MlaHparams>,
 }
 
 impl Hparams {
@@ -199,6 +237,19 @@ impl Hparams {
     }
     pub fn n_embd_v_gqa(&self) -> u32 {
         self.head_dim_v * self.n_head_kv
+    }
+    /// Width of the V row the KV cache keeps per token and layer: 0 for
+    /// absorbed MLA, whose values are the first `kv_lora_rank` elements of
+    /// the cached K row (as llama.cpp, which allocates no V cache for it).
+    pub fn n_embd_v_cache(&self) -> u32 {
+        match &self.mla {
+            Some(m) if m.absorbed => 0,
+            _ => self.n_embd_v_gqa(),
+        }
+    }
+    /// Bytes one token takes in one layer's KV cache (F16 K and V).
+    pub fn kv_bytes_per_token_layer(&self) -> u64 {
+        2 * u64::from(self.n_embd_k_gqa() + self.n_embd_v_cache())
     }
     /// The rope parameters of layer `il` (local layers may use another base).
     pub fn rope_for_layer(&self, il: u32) -> RopeParams {
@@ -313,9 +364,8 @@ impl ModelFile {
         for spec in self.global_tensors() {
             check(spec.name, &spec)?;
         }
-        let specs = hp.arch.layer_tensors(hp);
         for il in 0..hp.n_layer {
-            for spec in &specs {
+            for spec in &hp.arch.layer_tensors(hp, il) {
                 check(&format!("blk.{il}.{}", spec.name), spec)?;
             }
         }
@@ -388,7 +438,7 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
     // MoE files need no dense FFN width (llama.cpp reads it as optional).
     let n_ff = match uniform_u32(g, &k("feed_forward_length"), n_layer)? {
         Some(n) => n,
-        None if arch == Arch::Qwen3Moe => 0,
+        None if matches!(arch, Arch::Qwen3Moe | Arch::Deepseek2) => 0,
         None => {
             return Err(EngineError::Gguf(crate::gguf::GgufError::MissingKey {
                 key: k("feed_forward_length"),
@@ -475,7 +525,7 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
         }
     }
     let mode = match arch {
-        Arch::Llama => ROPE_NORM,
+        Arch::Llama | Arch::Deepseek2 => ROPE_NORM,
         Arch::Qwen2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => ROPE_NEOX,
     };
     let rope = RopeParams {
@@ -519,6 +569,7 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
         final_logit_softcap: None,
         tied_embeddings: g.tensor("output.weight").is_none(),
         moe: None,
+        mla: None,
     };
     match arch {
         Arch::Llama => llama::adjust_hparams(g, &mut hp)?,
@@ -526,6 +577,7 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
         Arch::Gemma3 => gemma3::adjust_hparams(g, &mut hp)?,
         Arch::Qwen3 => qwen3::adjust_hparams(&mut hp)?,
         Arch::Qwen3Moe => qwen3moe::adjust_hparams(g, &mut hp)?,
+        Arch::Deepseek2 => deepseek2::adjust_hparams(g, &mut hp)?,
     }
     if n_rot > head_dim_k || n_rot % 2 != 0 {
         return Err(EngineError::BadHparam {
@@ -554,11 +606,14 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
 /// that no file can overflow ggml's fixed-size graph (which aborts).
 /// Measured: 33-39 nodes per dense layer (qwen2, gemma3, qwen3), and
 /// 41 + 2 per used expert per MoE layer (the expert sum is a view and an
-/// add per expert).
+/// add per expert). deepseek2's latent attention, group-limited routing and
+/// shared experts add up to 32 more per layer (measured: 287 nodes for the
+/// MLA layout and 303 for the legacy one, 1 dense + 3 MoE layers, 4 used).
 fn graph_nodes_bound(hp: &Hparams) -> usize {
     let moe = hp
         .moe
         .as_ref()
         .map_or(0, |m| 24 + 2 * m.n_expert_used as usize);
-    32 + hp.n_layer as usize * (48 + moe)
+    let mla = if hp.mla.is_some() { 32 } else { 0 };
+    32 + hp.n_layer as usize * (48 + moe + mla)
 }

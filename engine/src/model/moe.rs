@@ -2,9 +2,8 @@
 //! `llm_graph_context::build_moe_ffn` (src/llama-graph.cpp) op for op, and
 //! the expert hyper-parameters every MoE architecture reads the same way.
 //!
-//! Only what qwen3moe needs is wired up, plus the options that cost one op
-//! (sigmoid gating, a selection bias, a weight scale); DeepSeek's
-//! group-limited routing is refused when a file asks for it.
+//! Softmax or sigmoid gating, DeepSeek V3's selection bias and
+//! group-limited routing, weight renormalisation and scale.
 
 use super::layers::{Activation, LayerCx};
 use super::{key, uniform_u32, Arch, ExpertGating, MoeHparams};
@@ -57,11 +56,29 @@ pub(crate) fn read_hparams(
             "an expert's hidden width must be positive".into(),
         ));
     }
-    if g.opt_u32(&k("expert_group_count"))?.unwrap_or(0) > 1 {
+    // llama.cpp reads the groups for every architecture and asserts these.
+    let n_expert_groups = g.opt_u32(&k("expert_group_count"))?.unwrap_or(0);
+    let n_group_used = g.opt_u32(&k("expert_group_used_count"))?.unwrap_or(0);
+    if n_expert_groups >= n_expert {
         return Err(bad(
             k("expert_group_count"),
-            "group-limited expert routing is not supported yet".into(),
+            format!("{n_expert_groups} groups for {n_expert} experts: group-limited routing needs fewer groups than experts"),
         ));
+    }
+    if n_expert_groups > 1 {
+        // Each group is scored by its two best experts (ggml asserts the top-2 fits).
+        if n_expert % n_expert_groups != 0 || n_expert / n_expert_groups < 2 {
+            return Err(bad(
+                k("expert_group_count"),
+                format!("group-limited routing needs {n_expert} experts split into groups of at least 2, not {n_expert_groups} groups"),
+            ));
+        }
+        if n_group_used == 0 || n_group_used >= n_expert_groups {
+            return Err(bad(
+                k("expert_group_used_count"),
+                format!("{n_group_used} groups used: group-limited routing over {n_expert_groups} groups needs 1 to {}", n_expert_groups - 1),
+            ));
+        }
     }
     Ok(MoeHparams {
         n_expert,
@@ -70,6 +87,8 @@ pub(crate) fn read_hparams(
         gating: ExpertGating::Softmax,
         norm_weights: false,
         weights_scale: 1.0,
+        n_expert_groups,
+        n_group_used,
     })
 }
 
@@ -118,10 +137,29 @@ impl<'g> LayerCx<'g, '_> {
             ExpertGating::Softmax => g.soft_max(logits),
             ExpertGating::Sigmoid => g.sigmoid(logits),
         };
-        let selection_probs = match w.exp_probs_b {
+        let mut selection_probs = match w.exp_probs_b {
             Some(b) => g.add(probs, b),
             None => probs,
         };
+        if p.n_expert_groups > 1 {
+            // Group-limited routing: each group's score is the sum of its two
+            // best selection scores; the experts outside the `n_group_used`
+            // best groups are masked to -inf before the top-k.
+            let n_groups = p.n_expert_groups as i64;
+            let per_group = n_expert / n_groups;
+            let groups = g.reshape(selection_probs, &[per_group, n_groups, n_tokens]);
+            let best2 = g.argsort_top_k(groups, 2); // [2, n_groups, n_tokens]
+            let scores = g.get_rows(
+                g.reshape(groups, &[1, per_group, n_groups, n_tokens]),
+                best2,
+            );
+            let scores = g.sum_rows(g.reshape(scores, &[2, n_groups, n_tokens])); // [1, n_groups, n_tokens]
+            let scores = g.reshape(scores, &[n_groups, n_tokens]);
+            let kept = g.argsort_top_k(scores, p.n_group_used as i64); // [n_group_used, n_tokens]
+            let kept_probs = g.get_rows(groups, kept); // [per_group, n_group_used, n_tokens]
+            let masked = g.set_rows(g.fill(groups, f32::NEG_INFINITY), kept_probs, kept);
+            selection_probs = g.reshape(masked, &[n_expert, n_tokens]);
+        }
         let selected = g.argsort_top_k(selection_probs, n_used); // [n_used, n_tokens]
 
         let probs = g.reshape(probs, &[1, n_expert, n_tokens]);
