@@ -436,8 +436,14 @@ fn sizes_parse_and_print() {
 /// without layers, and the whole model, at several step and cache sizes.
 #[test]
 fn compute_estimate_bounds_the_real_compute_buffer() {
-    let moe = fixtures_dir().join("synthetic/tiny-qwen3moe-f32.gguf");
-    for path in [common::model(GEMMA), common::model(QWEN), moe] {
+    let synthetic = |m: &str| fixtures_dir().join(format!("synthetic/tiny-{m}-f32.gguf"));
+    for path in [
+        common::model(GEMMA),
+        common::model(QWEN),
+        synthetic("qwen3moe"),
+        synthetic("deepseek2-mla"),
+        synthetic("deepseek2-legacy"),
+    ] {
         let file = path.file_name().unwrap().to_string_lossy().into_owned();
         let m = ModelFile::open(&path).unwrap();
         let hp = &m.hparams;

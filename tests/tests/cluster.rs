@@ -552,13 +552,17 @@ fn long_prompt_is_prefilled_in_chunks() {
     assert_eq!(ids(&ev), want, "{} prompt tokens in chunks of 16", p.len());
 }
 
-/// The synthetic mixture-of-experts models, split across two workers over
-/// each transport, give llama.cpp's greedy tokens from their own fixture
-/// (every prompt, all 32 steps).
+/// The synthetic mixture-of-experts models (qwen3moe, and deepseek2 in both
+/// GGUF layouts), split across two workers over each transport, give
+/// llama.cpp's greedy tokens from their own fixture (every prompt, all 32
+/// steps).
 #[test]
 fn moe_models_split_across_workers_give_llama_cpp_tokens() {
     let _g = serial();
-    for name in ["qwen3moe-f32", "qwen3moe-q8_0", "qwen3moe-q4_k_m"] {
+    let names = ["qwen3moe", "deepseek2-mla", "deepseek2-legacy"]
+        .iter()
+        .flat_map(|m| ["f32", "q8_0", "q4_k_m"].map(|q| format!("{m}-{q}")));
+    for name in names {
         let file = fixtures_dir().join(format!("synthetic/tiny-{name}.gguf"));
         let fx = json(&format!("synthetic/ref_tiny-{name}.json"));
         for transport in ["shm", "grpc"] {
