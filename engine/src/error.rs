@@ -30,6 +30,8 @@ pub enum EngineError {
     },
     #[error("position {pos} is past the context length of {n_ctx} tokens")]
     ContextFull { pos: usize, n_ctx: usize },
+    #[error("routed experts: {0}")]
+    Experts(String),
     #[error("bad hidden state: {0}")]
     BadHidden(String),
     #[error("tokenizer: {0}")]

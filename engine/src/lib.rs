@@ -3,6 +3,7 @@
 //! - [`gguf`]: our own strict GGUF reader (memory-mapped, zero-copy tensor views).
 //! - [`model`]: architectures (one file each), hyper-parameters from the file.
 //! - [`stage`]: a layer range as the unit of execution, the hidden state between ranges.
+//! - [`experts`]: routed experts apart from their layers ([`ExpertStage`], [`ExpertExec`]).
 //! - [`kv`]: the per-stage KV cache shared by many sequences.
 //! - [`tokenizer`], [`chat`], [`sampling`]: text in, tokens, text out.
 //! - [`generate`]: an in-process chain of stages for one-shot generation and tests.
@@ -10,6 +11,7 @@
 
 pub mod chat;
 pub mod error;
+pub mod experts;
 mod ffi;
 pub mod generate;
 pub mod gguf;
@@ -21,6 +23,7 @@ pub mod tokenizer;
 pub mod units;
 
 pub use error::EngineError;
+pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};
 pub use generate::{Engine, GenerateOptions, Generation};
 pub use kv::KvConfig;
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};

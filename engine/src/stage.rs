@@ -9,12 +9,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::EngineError;
+use crate::experts::{ExpertBatch, ExpertExec};
 use crate::ffi::ggml::{
     self, Buffer, BufferType, CpuBackend, Ctx, GraphAllocator, Tensor, TensorStore, TYPE_F16,
     TYPE_F32, TYPE_I32, TYPE_I64,
 };
 use crate::kv::{KvCache, KvConfig};
-use crate::model::layers::LayerCx;
+use crate::model::layers::{finish_moe, LayerCx};
 use crate::model::{ModelFile, WeightOp};
 
 /// Which part of the model a stage runs.
@@ -326,9 +327,11 @@ impl Weights {
         self.get(&format!("blk.{il}.{name}"))
     }
 
+    /// The weights of `range`, less the routed experts of the `offloaded` layers.
     fn load(
         model: &ModelFile,
         range: &LayerRange,
+        offloaded: &[u32],
         repack: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Weights, EngineError> {
@@ -338,7 +341,11 @@ impl Weights {
         // may be repacked: the repacked layout cannot get_rows).
         let mut wanted: Vec<(String, WeightOp)> = Vec::new();
         for il in range.layers.clone() {
+            let elsewhere = offloaded.contains(&il);
             for s in &hp.arch.layer_tensors(hp, il) {
+                if elsewhere && s.op == WeightOp::MulMatId {
+                    continue;
+                }
                 let name = format!("blk.{il}.{}", s.name);
                 if g.tensor(&name).is_some() {
                     wanted.push((name, s.op));
@@ -354,7 +361,20 @@ impl Weights {
                 wanted.push(("output.weight".into(), WeightOp::MulMat));
             }
         }
+        Self::load_named(model, &wanted, repack, progress)
+    }
 
+    /// Maps the named tensors of `model` (each with the op that reads it),
+    /// copying into the CPU's repacked layout those that llama.cpp's loader
+    /// would repack.
+    pub(crate) fn load_named(
+        model: &ModelFile,
+        wanted: &[(String, WeightOp)],
+        repack: bool,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Weights, EngineError> {
+        let g = &model.gguf;
+        let hp = &model.hparams;
         let extra = if repack {
             ggml::cpu_extra_buffer_types()
         } else {
@@ -368,7 +388,7 @@ impl Weights {
         let mut placed = Vec::new();
         let (mut mapped_bytes, mut repacked_bytes) = (0u64, 0u64);
         let n_used = hp.moe.as_ref().map_or(1, |m| m.n_expert_used as i64);
-        for (name, op) in &wanted {
+        for (name, op) in wanted {
             let info = g.tensor(name).expect("listed from the tensor table");
             let ne: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
             let ty = info.ggml_type.id();
@@ -436,6 +456,8 @@ pub struct Stage {
     range: LayerRange,
     cfg: StageConfig,
     weights: Weights,
+    /// Layers whose routed experts are computed elsewhere, ascending.
+    offloaded: Vec<u32>,
     kv: KvCache,
     backend: CpuBackend,
     alloc: GraphAllocator,
@@ -461,8 +483,43 @@ impl Stage {
         cfg: StageConfig,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Stage, EngineError> {
+        Self::load_offloaded_with_progress(model, range, cfg, &[], progress)
+    }
+
+    /// As [`Stage::load`], leaving out the routed experts
+    /// (`ffn_{gate,up,down}_exps`) of the `offloaded` layers: steps then run
+    /// through [`Stage::forward_with`], which hands those blocks to an
+    /// [`ExpertExec`]. Everything else of those layers (attention, router,
+    /// selection bias, shared experts) stays here.
+    pub fn load_offloaded(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+        offloaded: &[u32],
+    ) -> Result<Stage, EngineError> {
+        Self::load_offloaded_with_progress(model, range, cfg, offloaded, &mut |_, _| {})
+    }
+
+    pub fn load_offloaded_with_progress(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+        offloaded: &[u32],
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Stage, EngineError> {
         let hp = &model.hparams;
         range.validate(hp.n_layer)?;
+        let mut offloaded = offloaded.to_vec();
+        offloaded.sort_unstable();
+        offloaded.dedup();
+        for &il in &offloaded {
+            if !range.layers.contains(&il) {
+                return Err(EngineError::Config(format!(
+                    "layer {il}'s experts cannot be offloaded from a stage of {range}"
+                )));
+            }
+            crate::experts::expert_layer_tensors(&model, il)?;
+        }
         if cfg.n_ubatch == 0 {
             return Err(EngineError::Config("n_ubatch must be at least 1".into()));
         }
@@ -473,7 +530,7 @@ impl Stage {
             )));
         }
         let backend = CpuBackend::new(cfg.n_threads);
-        let weights = Weights::load(&model, &range, cfg.repack, progress)?;
+        let weights = Weights::load(&model, &range, &offloaded, cfg.repack, progress)?;
         let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, &backend)?;
         let alloc = GraphAllocator::new(backend.buffer_type());
         let mut stage = Stage {
@@ -481,6 +538,7 @@ impl Stage {
             range,
             cfg,
             weights,
+            offloaded,
             kv,
             backend,
             alloc,
@@ -511,28 +569,74 @@ impl Stage {
         self.alloc.buffer_size()
     }
 
+    /// Layers whose routed experts this stage leaves to an [`ExpertExec`].
+    pub fn offloaded_layers(&self) -> &[u32] {
+        &self.offloaded
+    }
+
     /// Frees the KV cells of `seq` (all of them, or from position `from` on).
     pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
         self.kv.remove_seq(seq, from);
     }
 
-    /// Sizes the compute buffer once, for a full micro-batch over a full cache.
+    /// Sizes the compute buffer once, for a full micro-batch over a full
+    /// cache (with offloaded experts: for the largest of the graphs a step runs).
     fn reserve(&mut self) -> Result<(), EngineError> {
         let n = self.cfg.n_ubatch.min(self.kv.config().n_cells());
-        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
         let parts = GraphParts {
             model: &self.model,
             range: &self.range,
             weights: &self.weights,
             kv: &self.kv,
         };
-        let (graph, _) = parts.build(&ctx, n, self.kv.config().n_cells(), n);
-        self.alloc
-            .reserve(&graph)
-            .map_err(|e| EngineError::OutOfMemory {
-                what: format!("compute buffer: {e}"),
-                bytes: 0,
-            })
+        let oom = |e: String| EngineError::OutOfMemory {
+            what: format!("compute buffer: {e}"),
+            bytes: 0,
+        };
+        let n_cells = self.kv.config().n_cells();
+        if self.offloaded.is_empty() {
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let (graph, _) = parts.build(&ctx, n, n_cells, n);
+            return self.alloc.reserve(&graph).map_err(oom);
+        }
+        for seg in self.segments(n) {
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let (graph, _) = parts.build_segment(&ctx, n, n_cells, n, &seg);
+            self.alloc.reserve(&graph).map_err(oom)?;
+            if let Some(r) = seg.resume.filter(|r| r.shared) {
+                let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+                let (graph, _) = parts.build_shared(&ctx, r.layer, n);
+                self.alloc.reserve(&graph).map_err(oom)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The segments of a step: cut at each offloaded block, each resuming
+    /// the block the previous one cut (with `n_cut` tokens).
+    fn segments(&self, n_cut: usize) -> Vec<Segment> {
+        let hp = &self.model.hparams;
+        let mut out = Vec::with_capacity(self.offloaded.len() + 1);
+        let (mut resume, mut from) = (None, self.range.layers.start);
+        for &il in &self.offloaded {
+            out.push(Segment {
+                resume,
+                layers: (from, il),
+                cut: Some(il),
+            });
+            resume = Some(Resume {
+                layer: il,
+                n_tokens: n_cut,
+                shared: hp.arch.has_shared_experts(hp, il),
+            });
+            from = il + 1;
+        }
+        out.push(Segment {
+            resume,
+            layers: (from, self.range.layers.end),
+            cut: None,
+        });
+        out
     }
 }
 
@@ -544,6 +648,43 @@ struct GraphParts<'a> {
     kv: &'a KvCache,
 }
 
+/// A piece of one step's graph between offloaded expert blocks. The whole
+/// range is one segment: no resume, all its layers, no cut.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    /// Starts by finishing an offloaded block from host inputs instead of
+    /// taking the range's input.
+    resume: Option<Resume>,
+    /// Layers run whole.
+    layers: (u32, u32),
+    /// Ends at this layer's routed experts (their input and routing)
+    /// instead of the range's output.
+    cut: Option<u32>,
+}
+
+/// An offloaded block to finish: its layer, tokens, and whether it has
+/// shared experts (given as the input `inp_shared`).
+#[derive(Clone, Copy, Debug)]
+struct Resume {
+    layer: u32,
+    n_tokens: usize,
+    shared: bool,
+}
+
+/// What a segment's graph ends with.
+enum SegmentOut<'g> {
+    /// The range's output: the hidden state or the logits.
+    Range(Tensor<'g>),
+    /// An offloaded block's expert inputs: the normed input, the selected
+    /// ids and their weights (both made contiguous), and the residual.
+    Cut {
+        cur: Tensor<'g>,
+        ids: Tensor<'g>,
+        weights: Tensor<'g>,
+        ffn_inp: Tensor<'g>,
+    },
+}
+
 impl GraphParts<'_> {
     /// Builds the graph of one step. Returns the graph and its output tensor.
     fn build<'g>(
@@ -553,10 +694,38 @@ impl GraphParts<'_> {
         n_kv: usize,
         n_out: usize,
     ) -> (ggml::Graph<'g>, Tensor<'g>) {
+        let whole = Segment {
+            resume: None,
+            layers: (self.range.layers.start, self.range.layers.end),
+            cut: None,
+        };
+        match self.build_segment(ctx, n_tokens, n_kv, n_out, &whole) {
+            (graph, SegmentOut::Range(out)) => (graph, out),
+            (_, SegmentOut::Cut { .. }) => unreachable!("a segment without a cut ends the range"),
+        }
+    }
+
+    /// Builds the graph of one segment of a step.
+    fn build_segment<'g>(
+        &'g self,
+        ctx: &'g Ctx,
+        n_tokens: usize,
+        n_kv: usize,
+        n_out: usize,
+        seg: &Segment,
+    ) -> (ggml::Graph<'g>, SegmentOut<'g>) {
         let hp = &self.model.hparams;
         let (nt, e) = (n_tokens as i64, hp.n_embd as i64);
         let mut graph = ctx.new_graph();
-        let mut x = if self.range.embed {
+        let mut x = if let Some(r) = seg.resume {
+            let rt = r.n_tokens as i64;
+            let routed = ctx.input(TYPE_F32, &[e, rt], "inp_routed");
+            let shared = r
+                .shared
+                .then(|| ctx.input(TYPE_F32, &[e, rt], "inp_shared"));
+            let ffn_inp = ctx.input(TYPE_F32, &[e, rt], "inp_ffn_inp");
+            finish_moe(ctx, routed, shared, ffn_inp)
+        } else if self.range.embed {
             let tokens = ctx.input(TYPE_I32, &[nt], "inp_tokens");
             let emb = self.weights.get("token_embd.weight").expect("loaded");
             let x = ctx.get_rows(emb, tokens);
@@ -569,7 +738,8 @@ impl GraphParts<'_> {
         };
         let want_out_ids = self.range.head && n_out < n_tokens;
         let out_ids = want_out_ids.then(|| ctx.input(TYPE_I32, &[n_out as i64], "inp_out_ids"));
-        if !self.range.layers.is_empty() {
+        let mut cut = None;
+        if seg.layers.0 < seg.layers.1 || seg.cut.is_some() {
             let pos = ctx.input(TYPE_I32, &[nt], "inp_pos");
             let kv_idx = ctx.input(TYPE_I64, &[nt], "inp_kv_idx");
             let mask = ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask");
@@ -591,12 +761,41 @@ impl GraphParts<'_> {
                 n_tokens: nt,
                 out_ids: None,
             };
-            for il in self.range.layers.clone() {
+            for il in seg.layers.0..seg.layers.1 {
                 if il + 1 == hp.n_layer {
                     cx.out_ids = out_ids;
                 }
                 x = hp.arch.build_layer(&mut cx, il, x);
             }
+            if let Some(il) = seg.cut {
+                if il + 1 == hp.n_layer {
+                    cx.out_ids = out_ids;
+                }
+                let inp = hp.arch.build_moe_input(&mut cx, il, x);
+                let moe = hp.moe.as_ref().expect("a layer with experts");
+                let r = cx.moe_route(
+                    inp.cur,
+                    cx.w(il, "ffn_gate_inp.weight"),
+                    cx.w_opt(il, "exp_probs_b.bias"),
+                    moe,
+                );
+                // Copies, so that the host reads plain contiguous outputs.
+                let ids = ctx.cont(r.selected);
+                let weights = ctx.cont(r.weights);
+                for t in [inp.cur, ids, weights, inp.ffn_inp] {
+                    t.set_output();
+                    cx.graph.expand(t);
+                }
+                cut = Some(SegmentOut::Cut {
+                    cur: inp.cur,
+                    ids,
+                    weights,
+                    ffn_inp: inp.ffn_inp,
+                });
+            }
+        }
+        if let Some(c) = cut {
+            return (graph, c);
         }
         if self.range.head {
             let last_layer_here =
@@ -624,7 +823,44 @@ impl GraphParts<'_> {
         }
         x.set_output();
         graph.expand(x);
-        (graph, x)
+        (graph, SegmentOut::Range(x))
+    }
+
+    /// The shared experts of layer `il` on the input `inp_moe_cur`
+    /// (`[n_embd, n_tokens]`), as a graph of their own: the stage runs it
+    /// while the routed experts are computed elsewhere.
+    fn build_shared<'g>(
+        &'g self,
+        ctx: &'g Ctx,
+        il: u32,
+        n_tokens: usize,
+    ) -> (ggml::Graph<'g>, Tensor<'g>) {
+        let hp = &self.model.hparams;
+        let nt = n_tokens as i64;
+        let mut graph = ctx.new_graph();
+        let cur = ctx.input(TYPE_F32, &[hp.n_embd as i64, nt], "inp_moe_cur");
+        // The layer context's other inputs are never read (so never allocated).
+        let cx = LayerCx {
+            g: ctx,
+            graph: &mut graph,
+            hp,
+            weights: self.weights,
+            kv: self.kv,
+            pos: ctx.input(TYPE_I32, &[nt], "inp_pos"),
+            kv_idx: ctx.input(TYPE_I64, &[nt], "inp_kv_idx"),
+            mask: ctx.input(TYPE_F16, &[1, nt], "inp_mask"),
+            mask_swa: None,
+            n_kv: 1,
+            n_tokens: nt,
+            out_ids: None,
+        };
+        let out = hp
+            .arch
+            .build_shared_experts(&cx, il, cur)
+            .expect("built only for layers with shared experts");
+        out.set_output();
+        graph.expand(out);
+        (graph, out)
     }
 }
 
@@ -632,10 +868,42 @@ impl Stage {
     /// Runs one step. `input` is the previous stage's hidden state (absent
     /// on the stage that runs the embedding). Returns the hidden state for
     /// the next stage, or the logits of the tokens that asked for them.
+    ///
+    /// A stage with offloaded experts needs [`Stage::forward_with`].
     pub fn forward(
         &mut self,
         batch: &Batch,
         input: Option<&Hidden>,
+    ) -> Result<StageOutput, EngineError> {
+        if !self.offloaded.is_empty() {
+            return Err(EngineError::Config(format!(
+                "the routed experts of layers {:?} are not in this stage: run it with an expert executor (forward_with)",
+                self.offloaded
+            )));
+        }
+        self.forward_inner(batch, input, None)
+    }
+
+    /// As [`Stage::forward`], with the routed experts of the offloaded
+    /// layers computed by `experts`. The step runs as one graph per
+    /// segment between offloaded blocks; at each block it submits the
+    /// block's input, ids and weights, computes the shared experts, waits
+    /// for the routed result and goes on. Without offloaded layers this is
+    /// `forward` and `experts` is never called.
+    pub fn forward_with(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+        experts: &mut dyn ExpertExec,
+    ) -> Result<StageOutput, EngineError> {
+        self.forward_inner(batch, input, Some(experts))
+    }
+
+    fn forward_inner(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+        experts: Option<&mut dyn ExpertExec>,
     ) -> Result<StageOutput, EngineError> {
         let hp = &self.model.hparams;
         batch.validate(self.range.embed)?;
@@ -670,7 +938,7 @@ impl Stage {
         } else {
             Vec::new()
         };
-        let result = self.run(batch, input, &kv_idx);
+        let result = self.run(batch, input, &kv_idx, experts);
         if result.is_err() && has_layers {
             self.kv.release(&kv_idx);
         }
@@ -682,6 +950,7 @@ impl Stage {
         batch: &Batch,
         input: Option<&Hidden>,
         kv_idx: &[i64],
+        mut experts: Option<&mut dyn ExpertExec>,
     ) -> Result<StageOutput, EngineError> {
         let hp = &self.model.hparams;
         let n = batch.len();
@@ -705,53 +974,158 @@ impl Stage {
                 );
             }
         }
-        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-        // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
-        let parts = GraphParts {
-            model: &self.model,
-            range: &self.range,
-            weights: &self.weights,
-            kv: &self.kv,
-        };
-        let (graph, out) = parts.build(&ctx, n, n_kv, out_rows.len());
-        self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
-        let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
-            // Inputs no node reads (a range with no global layer has no use for
-            // the global mask) get no memory from the allocator.
-            if let Some(t) = ctx.get_tensor(name).filter(|t| t.is_allocated()) {
-                f(t)
+        // Without offloaded layers: one segment, the whole range's graph.
+        let segments = self.segments(n);
+        // The finished-elsewhere block the next segment resumes.
+        let mut carry: Option<Carry> = None;
+        for mut seg in segments {
+            if let (Some(r), Some(c)) = (seg.resume.as_mut(), carry.as_ref()) {
+                r.n_tokens = c.n_tokens;
             }
-        };
-        set("inp_tokens", &|t| {
-            t.write(&batch.tokens.iter().map(|&x| x as i32).collect::<Vec<_>>())
-        });
-        set("inp_hidden", &|t| {
-            t.write(&input.expect("checked in forward").data)
-        });
-        set("inp_pos", &|t| t.write(&batch.pos));
-        set("inp_kv_idx", &|t| t.write(kv_idx));
-        set("inp_mask", &|t| t.write(&self.mask));
-        set("inp_mask_swa", &|t| t.write(&self.mask_swa));
-        set("inp_out_ids", &|t| {
-            t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
-        });
-        self.backend.compute(&graph).map_err(EngineError::Ggml)?;
-        let mut data = Vec::new();
-        out.read_f32(&mut data);
-        Ok(if self.range.head {
-            StageOutput::Logits(Logits {
-                n_vocab: hp.n_vocab as usize,
-                rows: out_rows,
-                data,
-            })
-        } else {
-            StageOutput::Hidden(Hidden {
-                n_tokens: n,
-                n_embd: hp.n_embd as usize,
-                data,
-            })
-        })
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
+            let parts = GraphParts {
+                model: &self.model,
+                range: &self.range,
+                weights: &self.weights,
+                kv: &self.kv,
+            };
+            let (graph, out) = parts.build_segment(&ctx, n, n_kv, out_rows.len(), &seg);
+            self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
+            let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
+                // Inputs no node reads (a range with no global layer has no use for
+                // the global mask) get no memory from the allocator.
+                if let Some(t) = ctx.get_tensor(name).filter(|t| t.is_allocated()) {
+                    f(t)
+                }
+            };
+            set("inp_tokens", &|t| {
+                t.write(&batch.tokens.iter().map(|&x| x as i32).collect::<Vec<_>>())
+            });
+            set("inp_hidden", &|t| {
+                t.write(&input.expect("checked in forward").data)
+            });
+            set("inp_pos", &|t| t.write(&batch.pos));
+            set("inp_kv_idx", &|t| t.write(kv_idx));
+            set("inp_mask", &|t| t.write(&self.mask));
+            set("inp_mask_swa", &|t| t.write(&self.mask_swa));
+            set("inp_out_ids", &|t| {
+                t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
+            });
+            if let Some(c) = carry.take() {
+                set("inp_routed", &|t| t.write(&c.routed));
+                set("inp_ffn_inp", &|t| t.write(&c.ffn_inp));
+                if let Some(sh) = &c.shared {
+                    set("inp_shared", &|t| t.write(sh));
+                }
+            }
+            self.backend.compute(&graph).map_err(EngineError::Ggml)?;
+            let (cur, ids, weights, ffn_inp) = match out {
+                SegmentOut::Range(out) => {
+                    let mut data = Vec::new();
+                    out.read_f32(&mut data);
+                    return Ok(if self.range.head {
+                        StageOutput::Logits(Logits {
+                            n_vocab: hp.n_vocab as usize,
+                            rows: out_rows,
+                            data,
+                        })
+                    } else {
+                        StageOutput::Hidden(Hidden {
+                            n_tokens: n,
+                            n_embd: hp.n_embd as usize,
+                            data,
+                        })
+                    });
+                }
+                SegmentOut::Cut {
+                    cur,
+                    ids,
+                    weights,
+                    ffn_inp,
+                } => (cur, ids, weights, ffn_inp),
+            };
+            let layer = seg.cut.expect("a cut segment names its layer");
+            let n_cut = cur.ne()[1] as usize;
+            let mut c = Carry {
+                n_tokens: n_cut,
+                routed: Vec::new(),
+                shared: None,
+                ffn_inp: Vec::new(),
+            };
+            let mut x = Vec::new();
+            cur.read_f32(&mut x);
+            ffn_inp.read_f32(&mut c.ffn_inp);
+            let (mut id_vals, mut w_vals) = (Vec::new(), Vec::new());
+            ids.read_i32(&mut id_vals);
+            weights.read_f32(&mut w_vals);
+            // This segment's graph and context are done with.
+            drop(ctx);
+            let exec = experts.as_deref_mut().ok_or_else(|| {
+                EngineError::Config(format!(
+                    "layer {layer}'s routed experts are elsewhere but no expert executor was given"
+                ))
+            })?;
+            let has_shared = hp.arch.has_shared_experts(hp, layer);
+            // The shared experts' graph takes its input before the routed
+            // experts' input moves to the executor.
+            let shared_ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let parts = GraphParts {
+                model: &self.model,
+                range: &self.range,
+                weights: &self.weights,
+                kv: &self.kv,
+            };
+            let shared_graph = if has_shared {
+                let (g, out) = parts.build_shared(&shared_ctx, layer, n_cut);
+                self.alloc.alloc(&g).map_err(EngineError::Ggml)?;
+                shared_ctx
+                    .get_tensor("inp_moe_cur")
+                    .expect("declared")
+                    .write(&x);
+                Some((g, out))
+            } else {
+                None
+            };
+            exec.submit(ExpertBatch {
+                layer,
+                n_tokens: n_cut,
+                x,
+                ids: id_vals,
+                weights: w_vals,
+            })?;
+            // Overlaps with the executor's work; wait even if it fails, so
+            // that the executor is left with nothing pending.
+            let shared = shared_graph.map(|(g, out)| {
+                self.backend.compute(&g).map(|()| {
+                    let mut v = Vec::new();
+                    out.read_f32(&mut v);
+                    v
+                })
+            });
+            let routed = exec.wait();
+            c.shared = shared.transpose().map_err(EngineError::Ggml)?;
+            c.routed = routed?;
+            let want = n_cut * hp.n_embd as usize;
+            if c.routed.len() != want {
+                return Err(EngineError::Experts(format!(
+                    "layer {layer}: the executor returned {} values for {n_cut} tokens of width {} ({want})",
+                    c.routed.len(),
+                    hp.n_embd
+                )));
+            }
+            carry = Some(c);
+        }
+        unreachable!("the last segment ends the range")
     }
+}
+
+/// An offloaded block's results on the host, for the segment that finishes it.
+struct Carry {
+    n_tokens: usize,
+    routed: Vec<f32>,
+    shared: Option<Vec<f32>>,
+    ffn_inp: Vec<f32>,
 }
 
 #[cfg(test)]

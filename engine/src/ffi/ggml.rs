@@ -537,6 +537,22 @@ impl<'a> Tensor<'a> {
         };
     }
 
+    /// Reads the whole tensor as i32 (it must be I32 and contiguous).
+    pub fn read_i32(&self, out: &mut Vec<i32>) {
+        assert_eq!(self.ty(), TYPE_I32);
+        let n = self.nbytes() / 4;
+        out.resize(n, 0);
+        // SAFETY: `out` holds exactly nbytes; the tensor is allocated on a host buffer.
+        unsafe {
+            sys::ggml_backend_tensor_get(
+                self.raw.as_ptr(),
+                out.as_mut_ptr() as *mut c_void,
+                0,
+                n * 4,
+            )
+        };
+    }
+
     /// Points this (unallocated) tensor at `addr` inside `buf`.
     ///
     /// # Safety

@@ -14,7 +14,7 @@
 //!   for every head and cached as in plain multi-head attention.
 
 use super::layers::{Activation, LayerCx};
-use super::{key, opt, req, req_exps, ExpertGating, Hparams, MlaHparams, TensorSpec};
+use super::{key, opt, req, req_exps, ExpertGating, Hparams, MlaHparams, MoeInput, TensorSpec};
 use crate::error::EngineError;
 use crate::ffi::ggml::{row_size, Tensor};
 use crate::gguf::Gguf;
@@ -261,6 +261,34 @@ pub(crate) fn layer_tensors(hp: &Hparams, il: u32) -> Vec<TensorSpec> {
 }
 
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
+    let inp = moe_input(cx, il, x);
+    if il < mla(cx.hp).n_layer_dense_lead {
+        let out = cx.ffn_gated(il, inp.cur, Activation::Silu);
+        return cx.g.add(out, inp.ffn_inp);
+    }
+    let moe = cx.hp.moe.as_ref().expect("validated at open");
+    let w = cx.moe_weights(il);
+    let routed = cx.moe_ffn(inp.cur, &w, moe, Activation::Silu);
+    let shared = shared_experts(cx, il, inp.cur);
+    super::layers::finish_moe(cx.g, routed, Some(shared), inp.ffn_inp)
+}
+
+/// The shared experts of a MoE block: one gated FFN every token goes through.
+pub(crate) fn shared_experts<'g>(cx: &LayerCx<'g, '_>, il: u32, cur: Tensor<'g>) -> Tensor<'g> {
+    cx.ffn_gated_named(
+        il,
+        cur,
+        Activation::Silu,
+        [
+            "ffn_up_shexp.weight",
+            "ffn_gate_shexp.weight",
+            "ffn_down_shexp.weight",
+        ],
+    )
+}
+
+/// The block up to its FFN (dense or experts): attention, residual, FFN norm.
+pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> MoeInput<'g> {
     let (g, hp) = (cx.g, cx.hp);
     let m = mla(hp);
     let nt = cx.n_tokens;
@@ -334,25 +362,7 @@ pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) 
     let ffn_inp = g.add(attn, x);
 
     let cur = cx.rms_norm(ffn_inp, cx.w(il, "ffn_norm.weight"));
-    let out = if il < m.n_layer_dense_lead {
-        cx.ffn_gated(il, cur, Activation::Silu)
-    } else {
-        let moe = hp.moe.as_ref().expect("validated at open");
-        let w = cx.moe_weights(il);
-        let routed = cx.moe_ffn(cur, &w, moe, Activation::Silu);
-        let shared = cx.ffn_gated_named(
-            il,
-            cur,
-            Activation::Silu,
-            [
-                "ffn_up_shexp.weight",
-                "ffn_gate_shexp.weight",
-                "ffn_down_shexp.weight",
-            ],
-        );
-        g.add(routed, shared)
-    };
-    g.add(out, ffn_inp)
+    MoeInput { ffn_inp, cur }
 }
 
 /// llama.cpp's `build_attn` for a K-only cache with `v_mla`: stores the

@@ -189,6 +189,22 @@ impl<'g> LayerCx<'g, '_> {
     }
 }
 
+/// The end of a MoE block: routed experts, plus the shared ones where the
+/// architecture has them (in that order, as llama.cpp adds them), plus the
+/// residual.
+pub(crate) fn finish_moe<'g>(
+    g: &'g Ctx,
+    routed: Tensor<'g>,
+    shared: Option<Tensor<'g>>,
+    ffn_inp: Tensor<'g>,
+) -> Tensor<'g> {
+    let out = match shared {
+        Some(s) => g.add(routed, s),
+        None => routed,
+    };
+    g.add(out, ffn_inp)
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Activation {
     Silu,

@@ -85,6 +85,54 @@ impl Arch {
     }
 }
 
+/// A block with routed experts, built up to them: the residual and the
+/// normed input of the experts (`[n_embd, n_tokens]` each).
+pub(crate) struct MoeInput<'g> {
+    pub ffn_inp: crate::ffi::ggml::Tensor<'g>,
+    pub cur: crate::ffi::ggml::Tensor<'g>,
+}
+
+impl Arch {
+    /// The routed-expert weights of layer `il` (`ffn_*_exps`, read by
+    /// `mul_mat_id`); empty for a layer without routed experts.
+    pub(crate) fn expert_tensors(self, hp: &Hparams, il: u32) -> Vec<TensorSpec> {
+        self.layer_tensors(hp, il)
+            .into_iter()
+            .filter(|s| s.op == WeightOp::MulMatId)
+            .collect()
+    }
+
+    /// Whether layer `il` has shared experts (run next to the routed ones).
+    pub(crate) fn has_shared_experts(self, hp: &Hparams, il: u32) -> bool {
+        self == Arch::Deepseek2 && !self.expert_tensors(hp, il).is_empty()
+    }
+
+    /// Layer `il` (one with routed experts) up to its experts.
+    pub(crate) fn build_moe_input<'g>(
+        self,
+        cx: &mut layers::LayerCx<'g, '_>,
+        il: u32,
+        x: crate::ffi::ggml::Tensor<'g>,
+    ) -> MoeInput<'g> {
+        match self {
+            Arch::Qwen3Moe => qwen3moe::moe_input(cx, il, x),
+            Arch::Deepseek2 => deepseek2::moe_input(cx, il, x),
+            _ => unreachable!("{} has no routed experts", self.name()),
+        }
+    }
+
+    /// The shared experts of layer `il` on its normed input `cur`.
+    pub(crate) fn build_shared_experts<'g>(
+        self,
+        cx: &layers::LayerCx<'g, '_>,
+        il: u32,
+        cur: crate::ffi::ggml::Tensor<'g>,
+    ) -> Option<crate::ffi::ggml::Tensor<'g>> {
+        self.has_shared_experts(cx.hp, il)
+            .then(|| deepseek2::shared_experts(cx, il, cur))
+    }
+}
+
 /// A tensor an architecture expects: its GGUF name suffix (after `blk.N.`),
 /// its shape in ggml order (`ne[0]` innermost), whether it must exist, and
 /// the op that reads it (which decides whether it may be repacked).

@@ -8,7 +8,7 @@
 use super::layers::{Activation, LayerCx};
 use super::{key, uniform_u32, Arch, ExpertGating, MoeHparams};
 use crate::error::EngineError;
-use crate::ffi::ggml::Tensor;
+use crate::ffi::ggml::{Ctx, Graph, Tensor};
 use crate::gguf::Gguf;
 
 /// llama.cpp's `LLAMA_MAX_EXPERTS`: it refuses files with more.
@@ -128,16 +128,36 @@ impl<'g> LayerCx<'g, '_> {
         p: &MoeHparams,
         act: Activation,
     ) -> Tensor<'g> {
+        let r = self.moe_route(x, w.gate_inp, w.exp_probs_b, p);
+        moe_experts(
+            self.g,
+            self.graph,
+            x,
+            &r,
+            [w.up_exps, w.gate_exps, w.down_exps],
+            act,
+        )
+    }
+
+    /// The router half of [`Self::moe_ffn`]: which experts each token uses
+    /// and the weights their outputs are multiplied by.
+    pub fn moe_route(
+        &mut self,
+        x: Tensor<'g>,
+        gate_inp: Tensor<'g>,
+        exp_probs_b: Option<Tensor<'g>>,
+        p: &MoeHparams,
+    ) -> Routing<'g> {
         let g = self.g;
-        let [n_embd, n_tokens, ..] = x.ne();
+        let n_tokens = x.ne()[1];
         let (n_expert, n_used) = (p.n_expert as i64, p.n_expert_used as i64);
 
-        let logits = g.mul_mat(w.gate_inp, x); // [n_expert, n_tokens]
+        let logits = g.mul_mat(gate_inp, x); // [n_expert, n_tokens]
         let probs = match p.gating {
             ExpertGating::Softmax => g.soft_max(logits),
             ExpertGating::Sigmoid => g.sigmoid(logits),
         };
-        let mut selection_probs = match w.exp_probs_b {
+        let mut selection_probs = match exp_probs_b {
             Some(b) => g.add(probs, b),
             None => probs,
         };
@@ -176,35 +196,61 @@ impl<'g> LayerCx<'g, '_> {
             weights = g.scale(weights, p.weights_scale);
         }
         self.graph.expand(weights);
-
-        let cur = g.reshape(x, &[n_embd, 1, n_tokens]);
-        let up = g.mul_mat_id(w.up_exps, cur, selected); // [n_ff_exp, n_used, n_tokens]
-        let gate = g.mul_mat_id(w.gate_exps, cur, selected);
-        let h = match act {
-            Activation::Silu => g.swiglu_split(gate, up),
-            Activation::GeluTanh => g.geglu_split(gate, up),
-        };
-        let experts = g.mul_mat_id(w.down_exps, h, selected); // [n_embd, n_used, n_tokens]
-        let experts = g.mul(experts, weights);
-        self.graph.expand(experts);
-
-        // Sum the experts as views added one by one, the views first.
-        let nb = experts.nb();
-        let views: Vec<Tensor<'g>> = (0..n_used as usize)
-            .map(|i| {
-                let v = g.view(experts, &[n_embd, n_tokens], &[nb[2]], i * nb[1]);
-                self.graph.expand(v);
-                v
-            })
-            .collect();
-        let mut out = views[0];
-        for &v in &views[1..] {
-            out = g.add(out, v);
-            self.graph.expand(out);
-        }
-        if n_used == 1 {
-            out = g.cont(out);
-        }
-        out
+        Routing { selected, weights }
     }
+}
+
+/// The selected experts of one MoE block: ids (I32 `[n_used, n_tokens]`,
+/// a view of the sorted router scores) and their final weights
+/// (`[1, n_used, n_tokens]`, after renormalisation and scale).
+pub(crate) struct Routing<'g> {
+    pub selected: Tensor<'g>,
+    pub weights: Tensor<'g>,
+}
+
+/// The expert half of `build_moe_ffn`: each selected expert's gated FFN
+/// on `x` (`[n_embd, n_tokens]`) through `mul_mat_id` with the `[up, gate,
+/// down]` expert weights, scaled by its weight, summed over the experts.
+/// Shared by the in-graph block and [`crate::experts::ExpertStage`], so
+/// both run the same nodes in the same order.
+pub(crate) fn moe_experts<'g>(
+    g: &'g Ctx,
+    graph: &mut Graph<'g>,
+    x: Tensor<'g>,
+    r: &Routing<'g>,
+    [up_exps, gate_exps, down_exps]: [Tensor<'g>; 3],
+    act: Activation,
+) -> Tensor<'g> {
+    let [n_embd, n_tokens, ..] = x.ne();
+    let n_used = r.selected.ne()[0];
+    let selected = r.selected;
+    let cur = g.reshape(x, &[n_embd, 1, n_tokens]);
+    let up = g.mul_mat_id(up_exps, cur, selected); // [n_ff_exp, n_used, n_tokens]
+    let gate = g.mul_mat_id(gate_exps, cur, selected);
+    let h = match act {
+        Activation::Silu => g.swiglu_split(gate, up),
+        Activation::GeluTanh => g.geglu_split(gate, up),
+    };
+    let experts = g.mul_mat_id(down_exps, h, selected); // [n_embd, n_used, n_tokens]
+    let experts = g.mul(experts, r.weights);
+    graph.expand(experts);
+
+    // Sum the experts as views added one by one, the views first.
+    let nb = experts.nb();
+    let views: Vec<Tensor<'g>> = (0..n_used as usize)
+        .map(|i| {
+            let v = g.view(experts, &[n_embd, n_tokens], &[nb[2]], i * nb[1]);
+            graph.expand(v);
+            v
+        })
+        .collect();
+    let mut out = views[0];
+    for &v in &views[1..] {
+        out = g.add(out, v);
+        graph.expand(out);
+    }
+    if n_used == 1 {
+        out = g.cont(out);
+    }
+    out
 }

@@ -5,7 +5,7 @@
 //! Reference: llama.cpp `src/models/qwen3moe.cpp`.
 
 use super::layers::{Activation, LayerCx};
-use super::{req, req_exps, Hparams, TensorSpec};
+use super::{req, req_exps, Hparams, MoeInput, TensorSpec};
 use crate::error::EngineError;
 use crate::ffi::ggml::Tensor;
 use crate::gguf::Gguf;
@@ -35,11 +35,16 @@ pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
 }
 
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
-    let ffn_inp = super::qwen3::attention_block(cx, il, x);
-    let h = cx.rms_norm(ffn_inp, cx.w(il, "ffn_norm.weight"));
-    let hp = cx.hp;
-    let moe = hp.moe.as_ref().expect("validated at open");
+    let inp = moe_input(cx, il, x);
+    let moe = cx.hp.moe.as_ref().expect("validated at open");
     let w = cx.moe_weights(il);
-    let h = cx.moe_ffn(h, &w, moe, Activation::Silu);
-    cx.g.add(h, ffn_inp)
+    let routed = cx.moe_ffn(inp.cur, &w, moe, Activation::Silu);
+    super::layers::finish_moe(cx.g, routed, None, inp.ffn_inp)
+}
+
+/// The block up to its routed experts: attention, residual, FFN norm.
+pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> MoeInput<'g> {
+    let ffn_inp = super::qwen3::attention_block(cx, il, x);
+    let cur = cx.rms_norm(ffn_inp, cx.w(il, "ffn_norm.weight"));
+    MoeInput { ffn_inp, cur }
 }

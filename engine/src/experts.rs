@@ -1,0 +1,324 @@
+//! Routed experts run apart from the rest of their layers.
+//!
+//! DeepSeek-size models keep most of their weights in the routed experts
+//! (`ffn_{gate,up,down}_exps`). A [`Stage`](crate::Stage) can leave some
+//! layers' experts out (`Stage::load_offloaded`) and hand each such block's
+//! input, selected ids and weights to an [`ExpertExec`] while it computes
+//! the shared experts itself. [`ExpertStage`] holds the experts of chosen
+//! layers and computes them with the same ggml nodes, in the same order,
+//! as the in-graph block, so the result is bit-identical; it is also the
+//! in-process [`ExpertExec`].
+
+use std::sync::Arc;
+
+use crate::error::EngineError;
+use crate::ffi::ggml::{self, CpuBackend, Ctx, GraphAllocator, TYPE_F32, TYPE_I32};
+use crate::model::layers::Activation;
+use crate::model::moe::{moe_experts, Routing};
+use crate::model::{ModelFile, WeightOp};
+use crate::stage::Weights;
+
+/// One offloaded expert block's work for one step: `n_tokens` tokens of
+/// layer `layer`. All three are column-major over tokens, as ggml lays them
+/// out: `x` is `[n_tokens][n_embd]` (the block's normed input), `ids` and
+/// `weights` are `[n_tokens][n_used]` (the selected experts, best first,
+/// and the weights their outputs are multiplied by: after renormalisation
+/// and scale).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertBatch {
+    pub layer: u32,
+    pub n_tokens: usize,
+    pub x: Vec<f32>,
+    pub ids: Vec<i32>,
+    pub weights: Vec<f32>,
+}
+
+/// Something that computes routed experts, submit then wait, so that a
+/// remote one can work while the stage computes the shared experts.
+///
+/// A stage calls `submit` once, then `wait` once, for each offloaded block
+/// in layer order; `wait` returns the weighted sum of the selected
+/// experts, `[n_tokens][n_embd]`.
+pub trait ExpertExec {
+    fn submit(&mut self, batch: ExpertBatch) -> Result<(), EngineError>;
+    fn wait(&mut self) -> Result<Vec<f32>, EngineError>;
+}
+
+/// Settings of an [`ExpertStage`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertConfig {
+    /// Most tokens in one call (the stages' `n_ubatch`).
+    pub n_ubatch: usize,
+    pub n_threads: usize,
+    /// Re-lay the expert weights for the CPU's fastest `mul_mat_id` kernels
+    /// where llama.cpp's loader would.
+    pub repack: bool,
+}
+
+impl Default for ExpertConfig {
+    fn default() -> Self {
+        ExpertConfig {
+            n_ubatch: 512,
+            n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            repack: true,
+        }
+    }
+}
+
+/// The routed experts of some layers of a model, ready to compute.
+pub struct ExpertStage {
+    model: Arc<ModelFile>,
+    layers: Vec<u32>,
+    cfg: ExpertConfig,
+    weights: Weights,
+    backend: CpuBackend,
+    alloc: GraphAllocator,
+    /// The result of the last `submit`, until `wait` takes it.
+    pending: Option<Result<Vec<f32>, EngineError>>,
+}
+
+impl ExpertStage {
+    /// Maps (and repacks where llama.cpp would) the routed-expert tensors
+    /// of `layers` and sizes the compute buffer for `n_ubatch` tokens.
+    pub fn load(
+        model: Arc<ModelFile>,
+        layers: &[u32],
+        cfg: ExpertConfig,
+    ) -> Result<ExpertStage, EngineError> {
+        if cfg.n_ubatch == 0 {
+            return Err(EngineError::Config("n_ubatch must be at least 1".into()));
+        }
+        let mut layers = layers.to_vec();
+        layers.sort_unstable();
+        layers.dedup();
+        if layers.is_empty() {
+            return Err(EngineError::Config(
+                "an expert stage needs at least one layer".into(),
+            ));
+        }
+        let mut wanted = Vec::new();
+        for &il in &layers {
+            let specs = expert_layer_tensors(&model, il)?;
+            wanted.extend(
+                specs
+                    .into_iter()
+                    .map(|name| (format!("blk.{il}.{name}"), WeightOp::MulMatId)),
+            );
+        }
+        let weights = Weights::load_named(&model, &wanted, cfg.repack, &mut |_, _| {})?;
+        let backend = CpuBackend::new(cfg.n_threads);
+        let alloc = GraphAllocator::new(backend.buffer_type());
+        let mut stage = ExpertStage {
+            model,
+            layers,
+            cfg,
+            weights,
+            backend,
+            alloc,
+            pending: None,
+        };
+        // Layers may differ in expert types (Q4_K_M mixes them): size for each.
+        let n = stage.cfg.n_ubatch;
+        let n_used = hp_n_used(&stage.model);
+        for &il in &stage.layers.clone() {
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let graph = build(&stage.model, &stage.weights, &ctx, il, n, n_used);
+            stage
+                .alloc
+                .reserve(&graph.0)
+                .map_err(|e| EngineError::OutOfMemory {
+                    what: format!("expert compute buffer: {e}"),
+                    bytes: 0,
+                })?;
+        }
+        Ok(stage)
+    }
+
+    /// The layers whose experts this stage holds, ascending.
+    pub fn layers(&self) -> &[u32] {
+        &self.layers
+    }
+    pub fn model(&self) -> &Arc<ModelFile> {
+        &self.model
+    }
+    pub fn config(&self) -> &ExpertConfig {
+        &self.cfg
+    }
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+    /// Bytes of expert weights held (mapped and repacked).
+    pub fn weight_bytes(&self) -> u64 {
+        self.weights.mapped_bytes + self.weights.repacked_bytes
+    }
+    /// Bytes of the compute buffer (sized for `n_ubatch` tokens).
+    pub fn compute_bytes(&self) -> usize {
+        self.alloc.buffer_size()
+    }
+
+    /// The weighted sum of the selected experts' SiLU-gated FFNs of layer
+    /// `layer` on `x` (`[n_tokens][n_embd]`), with `ids` and `weights`
+    /// `[n_tokens][n_used]`: `[n_tokens][n_embd]`.
+    pub fn run(
+        &mut self,
+        layer: u32,
+        x: &[f32],
+        ids: &[i32],
+        weights: &[f32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let hp = &self.model.hparams;
+        let moe = hp
+            .moe
+            .as_ref()
+            .expect("an expert stage's model has experts");
+        let bad = |why: String| Err(EngineError::Experts(why));
+        if !self.layers.contains(&layer) {
+            return bad(format!(
+                "layer {layer}'s experts are not here (this expert stage holds layers {:?})",
+                self.layers
+            ));
+        }
+        let (e, n_used) = (hp.n_embd as usize, moe.n_expert_used as usize);
+        if x.is_empty() || !x.len().is_multiple_of(e) {
+            return bad(format!(
+                "input of {} values is not a whole number of {e}-wide tokens",
+                x.len()
+            ));
+        }
+        let n = x.len() / e;
+        if n > self.cfg.n_ubatch {
+            return bad(format!(
+                "{n} tokens exceed this expert stage's n_ubatch {}",
+                self.cfg.n_ubatch
+            ));
+        }
+        if ids.len() != n * n_used || weights.len() != n * n_used {
+            return bad(format!(
+                "{n} tokens with {n_used} experts each need {} ids and weights, got {} ids and {} weights",
+                n * n_used,
+                ids.len(),
+                weights.len()
+            ));
+        }
+        if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u32 >= moe.n_expert) {
+            return bad(format!(
+                "expert id {id} is outside the layer's {} experts",
+                moe.n_expert
+            ));
+        }
+        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+        let (graph, out) = build(&self.model, &self.weights, &ctx, layer, n, n_used);
+        self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
+        let set = |name: &str, f: &dyn Fn(ggml::Tensor<'_>)| {
+            if let Some(t) = ctx.get_tensor(name) {
+                f(t)
+            }
+        };
+        set("inp_x", &|t| t.write(x));
+        set("inp_ids", &|t| t.write(ids));
+        set("inp_weights", &|t| t.write(weights));
+        self.backend.compute(&graph).map_err(EngineError::Ggml)?;
+        let mut data = Vec::new();
+        out.read_f32(&mut data);
+        Ok(data)
+    }
+}
+
+/// The graph of one call: inputs `inp_x`, `inp_ids`, `inp_weights`.
+fn build<'g>(
+    model: &'g ModelFile,
+    store: &'g Weights,
+    ctx: &'g Ctx,
+    il: u32,
+    n_tokens: usize,
+    n_used: usize,
+) -> (ggml::Graph<'g>, ggml::Tensor<'g>) {
+    let e = model.hparams.n_embd as i64;
+    let (nt, nu) = (n_tokens as i64, n_used as i64);
+    let mut graph = ctx.new_graph();
+    let x = ctx.input(TYPE_F32, &[e, nt], "inp_x");
+    let selected = ctx.input(TYPE_I32, &[nu, nt], "inp_ids");
+    let weights = ctx.input(TYPE_F32, &[1, nu, nt], "inp_weights");
+    let w = |name: &str| {
+        store
+            .layer(il, name)
+            .expect("expert tensors loaded for every held layer")
+    };
+    // Every supported MoE architecture gates its experts with SiLU.
+    let out = moe_experts(
+        ctx,
+        &mut graph,
+        x,
+        &Routing { selected, weights },
+        [
+            w("ffn_up_exps.weight"),
+            w("ffn_gate_exps.weight"),
+            w("ffn_down_exps.weight"),
+        ],
+        Activation::Silu,
+    );
+    out.set_output();
+    graph.expand(out);
+    (graph, out)
+}
+
+impl ExpertExec for ExpertStage {
+    /// Computes at once (in process there is nothing to overlap with).
+    fn submit(&mut self, b: ExpertBatch) -> Result<(), EngineError> {
+        if self.pending.is_some() {
+            return Err(EngineError::Experts(
+                "submit before the previous batch was waited for".into(),
+            ));
+        }
+        let n_embd = self.model.hparams.n_embd as usize;
+        if b.x.len() != b.n_tokens * n_embd {
+            return Err(EngineError::Experts(format!(
+                "{} tokens of width {n_embd} need {} values, got {}",
+                b.n_tokens,
+                b.n_tokens * n_embd,
+                b.x.len()
+            )));
+        }
+        self.pending = Some(self.run(b.layer, &b.x, &b.ids, &b.weights));
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.pending.take().unwrap_or_else(|| {
+            Err(EngineError::Experts(
+                "wait without a submitted batch".into(),
+            ))
+        })
+    }
+}
+
+fn hp_n_used(model: &ModelFile) -> usize {
+    model
+        .hparams
+        .moe
+        .as_ref()
+        .map_or(1, |m| m.n_expert_used as usize)
+}
+
+/// The routed-expert tensor names (after `blk.N.`) of layer `il`, or an
+/// error naming the layer if it has none.
+pub(crate) fn expert_layer_tensors(
+    model: &ModelFile,
+    il: u32,
+) -> Result<Vec<&'static str>, EngineError> {
+    let hp = &model.hparams;
+    if il >= hp.n_layer {
+        return Err(EngineError::Config(format!(
+            "layer {il} is outside the model's 0..{}",
+            hp.n_layer
+        )));
+    }
+    let specs = hp.arch.expert_tensors(hp, il);
+    if specs.is_empty() {
+        return Err(EngineError::Config(format!(
+            "layer {il} of this {} model has no routed experts to offload",
+            hp.arch.name()
+        )));
+    }
+    Ok(specs.into_iter().map(|s| s.name).collect())
+}
