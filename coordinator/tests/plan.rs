@@ -430,6 +430,33 @@ fn sizes_parse_and_print() {
     assert_eq!(fmt_bytes(300 * MIB), "300.0 MiB");
 }
 
+/// The compute buffer `Stage::load` really reserves for `r`, and the
+/// planner's estimate of it.
+fn actual_and_estimate(
+    m: &Arc<ModelFile>,
+    r: &LayerRange,
+    n_ctx: usize,
+    n_seq: usize,
+    n_ubatch: usize,
+) -> (u64, u64) {
+    let c = PlanConfig {
+        n_ctx,
+        n_seq,
+        n_ubatch,
+        ..cfg(None)
+    };
+    let sc = StageConfig {
+        kv: KvConfig { n_ctx, n_seq },
+        n_ubatch,
+        n_threads: 1,
+        repack: false,
+    };
+    let actual = Stage::load(m.clone(), r.clone(), sc)
+        .unwrap()
+        .compute_bytes() as u64;
+    (actual, compute_estimate(&m.hparams, r, &c))
+}
+
 /// The compute estimate bounds what `Stage::load` really reserves, and not
 /// by much: actual <= estimate <= 2 x actual + 16 MiB, for the first range
 /// (embedding alone and with layers), middle ranges, the head with and
@@ -485,21 +512,7 @@ fn compute_estimate_bounds_the_real_compute_buffer() {
         let mut hi: f64 = 0.0;
         for (n_ctx, n_seq, n_ubatch) in [(256, 1, 512), (512, 4, 512), (1024, 2, 64), (128, 3, 1)] {
             for r in &ranges {
-                let c = PlanConfig {
-                    n_ctx,
-                    n_seq,
-                    n_ubatch,
-                    ..cfg(None)
-                };
-                let sc = StageConfig {
-                    kv: KvConfig { n_ctx, n_seq },
-                    n_ubatch,
-                    n_threads: 1,
-                    repack: false,
-                };
-                let stage = Stage::load(m.clone(), r.clone(), sc).unwrap();
-                let actual = stage.compute_bytes() as u64;
-                let est = compute_estimate(hp, r, &c);
+                let (actual, est) = actual_and_estimate(&m, r, n_ctx, n_seq, n_ubatch);
                 let ratio = est as f64 / actual as f64;
                 eprintln!("{file} ctx {n_ctx} x {n_seq} ubatch {n_ubatch} {r}: actual {actual}, estimate {est} ({ratio:.3}x)");
                 assert!(
@@ -528,4 +541,110 @@ fn an_unsupported_architecture_is_refused_at_open() {
         e.contains("deepseek3_2") && e.contains("not supported"),
         "{e}"
     );
+}
+
+/// The compute estimate also bounds a DeepSeek-V3-shaped stage (hidden
+/// 7168, 128 heads, MLA with q_lora 1536 / kv_lora 512 / rope 64, experts
+/// 2048 wide with 8 used, a shared expert; one dense and one MoE layer, 16
+/// experts and the tiny vocabulary to keep the file small). The weights are
+/// a sparse file of zeros: reserving the compute buffer never reads them.
+#[test]
+fn compute_estimate_bounds_a_deepseek_v3_shaped_stage() {
+    use omni_engine::gguf::{Gguf, Value};
+    let tiny = Gguf::open(fixtures_dir().join("synthetic/tiny-deepseek2-mla-f32.gguf")).unwrap();
+    let mut kvs = tiny.metadata().to_vec();
+    let (e, h, ql, kl, rope, nope, v, fx, ff, x, vocab) = (
+        7168u64, 128u64, 1536u64, 512u64, 64u64, 128u64, 128u64, 2048u64, 18432u64, 16u64, 512u64,
+    );
+    for (k, val) in [
+        ("block_count", 2),
+        ("embedding_length", e),
+        ("feed_forward_length", ff),
+        ("attention.head_count", h),
+        ("attention.q_lora_rank", ql),
+        ("attention.kv_lora_rank", kl),
+        ("attention.key_length", kl + rope),
+        ("attention.value_length", kl),
+        ("attention.key_length_mla", nope + rope),
+        ("attention.value_length_mla", v),
+        ("rope.dimension_count", rope),
+        ("expert_count", x),
+        ("expert_used_count", 8),
+        ("expert_feed_forward_length", fx),
+    ] {
+        let key = format!("deepseek2.{k}");
+        let kv = kvs.iter_mut().find(|(n, _)| *n == key).unwrap();
+        kv.1 = Value::U32(val as u32);
+    }
+    let mut tensors: Vec<(String, Vec<u64>)> = vec![
+        ("token_embd.weight".into(), vec![e, vocab]),
+        ("output_norm.weight".into(), vec![e]),
+        ("output.weight".into(), vec![e, vocab]),
+    ];
+    for il in 0..2 {
+        let mut t = |n: &str, d: &[u64]| tensors.push((format!("blk.{il}.{n}"), d.to_vec()));
+        t("attn_norm.weight", &[e]);
+        t("attn_q_a.weight", &[e, ql]);
+        t("attn_q_a_norm.weight", &[ql]);
+        t("attn_q_b.weight", &[ql, h * (nope + rope)]);
+        t("attn_kv_a_mqa.weight", &[e, kl + rope]);
+        t("attn_kv_a_norm.weight", &[kl]);
+        t("attn_k_b.weight", &[nope, kl, h]);
+        t("attn_v_b.weight", &[kl, v, h]);
+        t("attn_output.weight", &[h * v, e]);
+        t("ffn_norm.weight", &[e]);
+        if il == 0 {
+            t("ffn_gate.weight", &[e, ff]);
+            t("ffn_up.weight", &[e, ff]);
+            t("ffn_down.weight", &[ff, e]);
+        } else {
+            t("ffn_gate_inp.weight", &[e, x]);
+            t("exp_probs_b.bias", &[x]);
+            t("ffn_gate_exps.weight", &[e, fx, x]);
+            t("ffn_up_exps.weight", &[e, fx, x]);
+            t("ffn_down_exps.weight", &[fx, e, x]);
+            t("ffn_gate_shexp.weight", &[e, fx]);
+            t("ffn_up_shexp.weight", &[e, fx]);
+            t("ffn_down_shexp.weight", &[fx, e]);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("deepseek-v3-shaped.gguf");
+    let shapes: Vec<(&str, &[u64])> = tensors
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.as_slice()))
+        .collect();
+    common::write_sparse_gguf(&path, &kvs, &shapes);
+    let m = ModelFile::open(&path).unwrap();
+    let ranges = [
+        LayerRange {
+            embed: true,
+            layers: 0..1,
+            head: false,
+        },
+        LayerRange {
+            embed: false,
+            layers: 1..2,
+            head: false,
+        },
+        LayerRange {
+            embed: false,
+            layers: 1..2,
+            head: true,
+        },
+        LayerRange::whole(2),
+    ];
+    for (n_ctx, n_seq, n_ubatch) in [(4096, 1, 512), (2048, 4, 256), (4096, 2, 64)] {
+        for r in &ranges {
+            let (actual, est) = actual_and_estimate(&m, r, n_ctx, n_seq, n_ubatch);
+            eprintln!(
+                "deepseek-v3-shaped ctx {n_ctx} x {n_seq} ubatch {n_ubatch} {r}: actual {actual}, estimate {est} ({:.3}x)",
+                est as f64 / actual as f64
+            );
+            assert!(
+                actual <= est && est <= 2 * actual + 16 * MIB,
+                "ctx {n_ctx} x {n_seq} ubatch {n_ubatch} {r}: actual {actual}, estimate {est}"
+            );
+        }
+    }
 }

@@ -1,5 +1,6 @@
 mod common;
 
+use common::{put_str, put_value, value_type};
 use omni_engine::gguf::*;
 
 use std::collections::BTreeMap;
@@ -7,52 +8,6 @@ use std::collections::BTreeMap;
 // ---------------------------------------------------------------------------------------------
 // A minimal GGUF writer, so tests control every byte of the files they parse.
 // ---------------------------------------------------------------------------------------------
-
-fn value_type_id(v: &Value) -> u32 {
-    match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::String(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    }
-}
-
-fn put_str(out: &mut Vec<u8>, s: &[u8]) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s);
-}
-
-fn put_value(out: &mut Vec<u8>, v: &Value) {
-    match v {
-        Value::U8(x) => out.extend(x.to_le_bytes()),
-        Value::I8(x) => out.extend(x.to_le_bytes()),
-        Value::U16(x) => out.extend(x.to_le_bytes()),
-        Value::I16(x) => out.extend(x.to_le_bytes()),
-        Value::U32(x) => out.extend(x.to_le_bytes()),
-        Value::I32(x) => out.extend(x.to_le_bytes()),
-        Value::U64(x) => out.extend(x.to_le_bytes()),
-        Value::I64(x) => out.extend(x.to_le_bytes()),
-        Value::F32(x) => out.extend(x.to_le_bytes()),
-        Value::F64(x) => out.extend(x.to_le_bytes()),
-        Value::Bool(x) => out.push(u8::from(*x)),
-        Value::String(s) => put_str(out, s.as_bytes()),
-        Value::Array(items) => {
-            // Empty arrays are written as arrays of u8.
-            out.extend(items.first().map_or(0, value_type_id).to_le_bytes());
-            out.extend((items.len() as u64).to_le_bytes());
-            items.iter().for_each(|item| put_value(out, item));
-        }
-    }
-}
 
 struct RawTensor {
     name: Vec<u8>,
@@ -84,7 +39,7 @@ impl Builder {
     fn kv(self, key: &str, v: Value) -> Self {
         let mut payload = Vec::new();
         put_value(&mut payload, &v);
-        let mut b = self.kv_raw(key.as_bytes(), value_type_id(&v), &payload);
+        let mut b = self.kv_raw(key.as_bytes(), value_type(&v), &payload);
         // Lay data out the way the file declares (invalid values are left for error tests).
         b.alignment = match (&v, key) {
             (Value::U32(a), "general.alignment") if a.is_power_of_two() => u64::from(*a),

@@ -69,3 +69,116 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
 }
+
+// GGUF writing, for tests that make their own files.
+
+use omni_engine::gguf::Value;
+
+pub fn put_str(out: &mut Vec<u8>, s: &[u8]) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s);
+}
+
+pub fn value_type(v: &Value) -> u32 {
+    match v {
+        Value::U8(_) => 0,
+        Value::I8(_) => 1,
+        Value::U16(_) => 2,
+        Value::I16(_) => 3,
+        Value::U32(_) => 4,
+        Value::I32(_) => 5,
+        Value::F32(_) => 6,
+        Value::Bool(_) => 7,
+        Value::String(_) => 8,
+        Value::Array(_) => 9,
+        Value::U64(_) => 10,
+        Value::I64(_) => 11,
+        Value::F64(_) => 12,
+    }
+}
+
+pub fn put_value(out: &mut Vec<u8>, v: &Value) {
+    match v {
+        Value::U8(x) => out.extend(x.to_le_bytes()),
+        Value::I8(x) => out.extend(x.to_le_bytes()),
+        Value::U16(x) => out.extend(x.to_le_bytes()),
+        Value::I16(x) => out.extend(x.to_le_bytes()),
+        Value::U32(x) => out.extend(x.to_le_bytes()),
+        Value::I32(x) => out.extend(x.to_le_bytes()),
+        Value::U64(x) => out.extend(x.to_le_bytes()),
+        Value::I64(x) => out.extend(x.to_le_bytes()),
+        Value::F32(x) => out.extend(x.to_le_bytes()),
+        Value::F64(x) => out.extend(x.to_le_bytes()),
+        Value::Bool(x) => out.push(u8::from(*x)),
+        Value::String(s) => put_str(out, s.as_bytes()),
+        Value::Array(items) => {
+            out.extend(items.first().map_or(0, value_type).to_le_bytes());
+            out.extend((items.len() as u64).to_le_bytes());
+            items.iter().for_each(|i| put_value(out, i));
+        }
+    }
+}
+
+/// An F32 tensor: name, ggml dims, values.
+pub type F32Tensor = (String, Vec<u64>, Vec<f32>);
+
+/// The header of a GGUF v3 file with these keys and F32 tensors of these
+/// dims (alignment 32), padded to where the data starts; and the data
+/// section's length.
+fn gguf_header(kvs: &[(String, Value)], tensors: &[(&str, &[u64])]) -> (Vec<u8>, usize) {
+    let align = |n: usize| n.div_ceil(32) * 32;
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kvs.len() as u64).to_le_bytes());
+    for (k, v) in kvs {
+        put_str(&mut out, k.as_bytes());
+        out.extend(value_type(v).to_le_bytes());
+        put_value(&mut out, v);
+    }
+    let mut offset = 0;
+    for (name, dims) in tensors {
+        put_str(&mut out, name.as_bytes());
+        out.extend((dims.len() as u32).to_le_bytes());
+        dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
+        out.extend(0u32.to_le_bytes()); // F32
+        out.extend((offset as u64).to_le_bytes());
+        let n: u64 = dims.iter().product();
+        offset = align(offset + n as usize * 4);
+    }
+    out.resize(align(out.len()), 0);
+    (out, offset)
+}
+
+/// A GGUF v3 file with these keys and F32 tensors (alignment 32).
+pub fn write_gguf(path: &std::path::Path, kvs: &[(String, Value)], tensors: &[F32Tensor]) {
+    let shapes: Vec<(&str, &[u64])> = tensors
+        .iter()
+        .map(|(n, d, _)| (n.as_str(), d.as_slice()))
+        .collect();
+    let (mut out, _) = gguf_header(kvs, &shapes);
+    let align = |n: usize| n.div_ceil(32) * 32;
+    let base = out.len();
+    let mut offset = 0;
+    for (_, _, data) in tensors {
+        out.resize(base + offset, 0);
+        data.iter().for_each(|x| out.extend(x.to_le_bytes()));
+        offset = align(offset + data.len() * 4);
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+/// A GGUF v3 file whose F32 tensors are all zero, written sparse: only the
+/// header takes disk space, so a model of full-size shapes costs nothing
+/// (for tests of sizes and buffers, which never read the weights).
+pub fn write_sparse_gguf(
+    path: &std::path::Path,
+    kvs: &[(String, Value)],
+    tensors: &[(&str, &[u64])],
+) {
+    let (out, data_len) = gguf_header(kvs, tensors);
+    let f = std::fs::File::create(path).unwrap();
+    use std::io::Write;
+    (&f).write_all(&out).unwrap();
+    f.set_len((out.len() + data_len) as u64).unwrap();
+}
