@@ -105,6 +105,16 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let local = listener.local_addr()?;
+    // Registering would reach this worker's own server (a port picked for
+    // the coordinator and taken by this worker's port 0 meanwhile).
+    if let Ok(addrs) = tokio::net::lookup_host(&cfg.coordinator).await {
+        if addrs.into_iter().any(|a| a == local) {
+            anyhow::bail!(
+                "the coordinator address {} is this worker's own listening address; is the coordinator running there?",
+                cfg.coordinator
+            );
+        }
+    }
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
     tracing::info!(
         "worker {id} listening on {local} (device {}, {:.2} GiB free of {:.2}, {} cores, {} NUMA nodes)",
@@ -183,9 +193,10 @@ async fn register(
                     // The coordinator answered and said no: retrying won't help.
                     Err(s) if s.code() != tonic::Code::Unavailable => {
                         anyhow::bail!(
-                            "the coordinator at {} refused worker {id}: {}",
+                            "the coordinator at {} refused worker {id}: {} ({:?})",
                             cfg.coordinator,
-                            s.message()
+                            s.message(),
+                            s.code()
                         )
                     }
                     Err(s) => last_err = s.message().to_string(),

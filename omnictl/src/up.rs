@@ -128,6 +128,15 @@ impl LocalCluster {
         cluster
             .children
             .push(("coordinator".into(), spawn_logged("coordinator", c, quiet)?));
+        // Workers start once the coordinator holds its port: until then a
+        // worker's own port 0 could be given that very port.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::net::TcpStream::connect(&a.listen).is_err()
+            && std::time::Instant::now() < deadline
+            && matches!(cluster.children[0].1.try_wait(), Ok(None))
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         for i in 0..a.stages {
             let name = format!("w{i}");
             let mut w = Command::new(&worker_bin);

@@ -156,7 +156,16 @@ impl Cluster {
             .args(["--health-interval", "0.5"])
             .args(&spec.coordinator_args)
             .env("OMNI_LOG", "info");
-        let coordinator = Proc::spawn("coordinator", c, dir.path());
+        let mut coordinator = Proc::spawn("coordinator", c, dir.path());
+        // Workers start once the coordinator holds its port: until then a
+        // worker's own port 0 could be given the very port picked for it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(&addr).is_err()
+            && Instant::now() < deadline
+            && matches!(coordinator.child.try_wait(), Ok(None))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let mut workers = Vec::new();
         for i in 0..spec.start_workers.unwrap_or(spec.stages) {
             let mut w = Command::new(target_bin("omni-gpu-worker"));
