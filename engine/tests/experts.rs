@@ -15,7 +15,7 @@ use common::*;
 use omni_engine::sampling::greedy;
 use omni_engine::{
     Batch, EngineError, ExpertBatch, ExpertConfig, ExpertExec, ExpertStage, Hidden, LayerRange,
-    ModelFile, Stage, StageConfig, StageOutput,
+    ModelFile, Stage, StageOutput,
 };
 
 const FILES: [&str; 9] = [
@@ -29,16 +29,6 @@ const FILES: [&str; 9] = [
     "tiny-deepseek2-legacy-q8_0",
     "tiny-deepseek2-legacy-q4_k_m",
 ];
-
-/// The fixtures' runtime (as engine/tests/moe.rs).
-fn config() -> StageConfig {
-    let mut cfg = StageConfig::default();
-    cfg.kv.n_ctx = 256;
-    cfg.kv.n_seq = 1;
-    cfg.n_ubatch = 512;
-    cfg.n_threads = 2;
-    cfg
-}
 
 fn expert_config() -> ExpertConfig {
     ExpertConfig {

@@ -13,22 +13,7 @@ mod common;
 use common::*;
 use omni_engine::gguf::{Gguf, Value};
 use omni_engine::sampling::greedy;
-use omni_engine::{Batch, Engine, EngineError, ModelFile, StageConfig};
-
-/// The fixtures' runtime: n_ctx = max(256, ...) = 256, the whole prompt in
-/// one ubatch, 2 threads.
-fn config() -> StageConfig {
-    let mut cfg = StageConfig::default();
-    cfg.kv.n_ctx = 256;
-    cfg.kv.n_seq = 1;
-    cfg.n_ubatch = 512;
-    cfg.n_threads = 2;
-    cfg
-}
-
-fn synthetic(file: &str) -> std::path::PathBuf {
-    fixtures_dir().join("synthetic").join(file)
-}
+use omni_engine::{Batch, Engine, EngineError, ModelFile};
 
 /// A little-endian float32 C-order `.npy` (numpy's format, versions 1-3).
 fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {

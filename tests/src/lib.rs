@@ -364,3 +364,22 @@ fn dechunk(mut s: &str) -> String {
     }
     out
 }
+
+/// A program from the Python environment the tests use: beside OMNI_PYTHON
+/// when set, else in `.venv/bin` of the checkout (`scripts/test` creates it
+/// with openai, pytest, llm-comply and schemathesis).
+pub fn venv_tool(name: &str) -> PathBuf {
+    let bin = match std::env::var_os("OMNI_PYTHON") {
+        Some(p) if name == "python" => PathBuf::from(p),
+        Some(p) => PathBuf::from(p).with_file_name(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../.venv/bin")
+            .join(name),
+    };
+    assert!(
+        bin.exists(),
+        "{} is missing: run ./scripts/test (it creates .venv with what the tests use), or set OMNI_PYTHON",
+        bin.display()
+    );
+    bin
+}

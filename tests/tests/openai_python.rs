@@ -4,22 +4,9 @@
 //! checkout (or set OMNI_PYTHON to an interpreter that has openai and pytest).
 
 use omni_tests::fixtures::{model, GEMMA, QWEN};
-use omni_tests::{start_router, Cluster, ClusterSpec, Proc};
+use omni_tests::{start_router, venv_tool, Cluster, ClusterSpec, Proc};
 use std::path::PathBuf;
 use std::process::Command;
-
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("OMNI_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(
-        venv.exists(),
-        "{} is missing: run ./scripts/test (it creates the venv with openai and pytest), or set OMNI_PYTHON",
-        venv.display()
-    );
-    venv
-}
 
 /// One cluster at a time: the machine has two cores.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -42,7 +29,7 @@ fn serve(file: &str, ctx: usize) -> (Cluster, Proc, String, tempfile::TempDir) {
 
 #[test]
 fn official_openai_client_against_a_real_cluster() {
-    let py = python();
+    let py = venv_tool("python");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (cluster, router, addr, _dir) = serve(GEMMA, 1024);
     let tests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python");
@@ -75,13 +62,7 @@ fn official_openai_client_against_a_real_cluster() {
 /// file here is a base model that rarely stops before the context is full).
 #[test]
 fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
-    let py = python();
-    let comply = py.with_file_name("llm-comply");
-    assert!(
-        comply.exists(),
-        "{} is missing: run ./scripts/test (it installs llm-comply into .venv)",
-        comply.display()
-    );
+    let comply = venv_tool("llm-comply");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (cluster, router, addr, _dir) = serve(QWEN, 2048);
     let out = Command::new(&comply)

@@ -48,7 +48,7 @@
 //! every run (OMNI_SCHEMATHESIS_SEED picks another, to explore).
 
 use omni_tests::fixtures::{model, GEMMA};
-use omni_tests::{start_router, Cluster, ClusterSpec};
+use omni_tests::{start_router, venv_tool, Cluster, ClusterSpec};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -76,19 +76,6 @@ const CHECKS: &[&str] = &[
     "allow_header_conformance",
     "openai_error_shape",
 ];
-
-fn schemathesis() -> PathBuf {
-    let bin = match std::env::var_os("OMNI_PYTHON") {
-        Some(p) => PathBuf::from(p).with_file_name("schemathesis"),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/schemathesis"),
-    };
-    assert!(
-        bin.exists(),
-        "{} is missing: run ./scripts/test (it installs schemathesis into .venv), or set OMNI_PYTHON",
-        bin.display()
-    );
-    bin
-}
 
 /// One cluster at a time: the machine has two cores.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -121,7 +108,7 @@ fn run_bounded(mut cmd: Command, dir: &Path, deadline: Duration) -> (Option<i32>
 
 #[test]
 fn openai_openapi_spec_holds_for_the_router() {
-    let bin = schemathesis();
+    let bin = venv_tool("schemathesis");
     let openapi = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("openapi");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut spec = ClusterSpec::new(2, "shm");

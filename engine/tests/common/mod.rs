@@ -70,6 +70,23 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
+// The synthetic fixtures.
+
+/// The fixtures' runtime: n_ctx = max(256, ...) = 256, the whole prompt in
+/// one ubatch, 2 threads.
+pub fn config() -> omni_engine::StageConfig {
+    let mut cfg = omni_engine::StageConfig::default();
+    cfg.kv.n_ctx = 256;
+    cfg.kv.n_seq = 1;
+    cfg.n_ubatch = 512;
+    cfg.n_threads = 2;
+    cfg
+}
+
+pub fn synthetic(file: &str) -> std::path::PathBuf {
+    fixtures_dir().join("synthetic").join(file)
+}
+
 // GGUF writing, for tests that make their own files.
 
 use omni_engine::gguf::Value;
