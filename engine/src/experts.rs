@@ -4,7 +4,8 @@
 //! (`ffn_{gate,up,down}_exps`). A [`Stage`](crate::Stage) can leave some
 //! layers' experts out (`Stage::load_offloaded`) and hand each such block's
 //! input, selected ids and weights to an [`ExpertExec`] while it computes
-//! the shared experts itself. [`ExpertStage`] holds the experts of chosen
+//! the shared experts itself (and the routed experts it keeps after all:
+//! `Stage::set_device_experts`). [`ExpertStage`] holds the experts of chosen
 //! layers and computes them with the same ggml nodes, in the same order,
 //! as the in-graph block, so the result is bit-identical; it is also the
 //! in-process [`ExpertExec`].
@@ -24,6 +25,14 @@ use crate::stage::Weights;
 /// `weights` are `[n_tokens][n_used]` (the selected experts, best first,
 /// and the weights their outputs are multiplied by: after renormalisation
 /// and scale).
+///
+/// When the stage keeps some of the layer's experts itself
+/// (`Stage::set_device_experts`), the batch holds only the tokens that
+/// selected an expert elsewhere, and only those selections: `ids` and
+/// `weights` are then `[n_tokens][k]`, `k` (1 to `n_used`) the most any of
+/// these tokens has, a token with fewer filled up with other experts of
+/// the batch at weight 0 (ids stay distinct within a token, as ggml's
+/// repacked kernels need).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertBatch {
     pub layer: u32,
@@ -37,8 +46,9 @@ pub struct ExpertBatch {
 /// remote one can work while the stage computes the shared experts.
 ///
 /// A stage calls `submit` once, then `wait` once, for each offloaded block
-/// in layer order; `wait` returns the weighted sum of the selected
-/// experts, `[n_tokens][n_embd]`.
+/// that has work here, in layer order (a block whose selected experts the
+/// stage all keeps itself, `Stage::set_device_experts`, is not sent); `wait`
+/// returns the weighted sum of the selected experts, `[n_tokens][n_embd]`.
 pub trait ExpertExec {
     fn submit(&mut self, batch: ExpertBatch) -> Result<(), EngineError>;
     fn wait(&mut self) -> Result<Vec<f32>, EngineError>;
@@ -158,7 +168,7 @@ impl ExpertStage {
 
     /// The weighted sum of the selected experts' SiLU-gated FFNs of layer
     /// `layer` on `x` (`[n_tokens][n_embd]`), with `ids` and `weights`
-    /// `[n_tokens][n_used]`: `[n_tokens][n_embd]`.
+    /// `[n_tokens][k]` (`k` usually `n_used`, at most that): `[n_tokens][n_embd]`.
     pub fn run(
         &mut self,
         layer: u32,
@@ -192,9 +202,12 @@ impl ExpertStage {
                 self.cfg.n_ubatch
             ));
         }
-        if ids.len() != n * n_used || weights.len() != n * n_used {
+        // Fewer than n_used per token is a batch the stage cut down
+        // (some experts are kept on the stage), the same number for each.
+        let k = ids.len() / n;
+        if ids.len() != weights.len() || k == 0 || k > n_used || k * n != ids.len() {
             return bad(format!(
-                "{n} tokens with {n_used} experts each need {} ids and weights, got {} ids and {} weights",
+                "{n} tokens with {n_used} experts each need {} ids and weights, got {} ids and {} weights (a batch may also give every token the same smaller number)",
                 n * n_used,
                 ids.len(),
                 weights.len()
@@ -207,7 +220,7 @@ impl ExpertStage {
             ));
         }
         let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-        let (graph, out) = build(&self.model, &self.weights, &ctx, layer, n, n_used);
+        let (graph, out) = build(&self.model, &self.weights, &ctx, layer, n, k);
         self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
         let set = |name: &str, f: &dyn Fn(ggml::Tensor<'_>)| {
             if let Some(t) = ctx.get_tensor(name) {

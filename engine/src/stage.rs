@@ -4,7 +4,8 @@
 //! Stages hand each other a [`Hidden`] state, which serializes to bytes so a
 //! split across processes computes exactly what one process computes.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -15,7 +16,8 @@ use crate::ffi::ggml::{
     TYPE_F32, TYPE_I32, TYPE_I64,
 };
 use crate::kv::{KvCache, KvConfig};
-use crate::model::layers::{finish_moe, LayerCx};
+use crate::model::layers::{finish_moe, Activation, LayerCx};
+use crate::model::moe::{moe_experts, Routing};
 use crate::model::{ModelFile, WeightOp};
 
 /// Which part of the model a stage runs.
@@ -458,6 +460,10 @@ pub struct Stage {
     weights: Weights,
     /// Layers whose routed experts are computed elsewhere, ascending.
     offloaded: Vec<u32>,
+    /// How often each expert of each offloaded layer was selected since load.
+    expert_counts: BTreeMap<u32, Vec<u64>>,
+    /// Routed experts of offloaded layers kept here after all.
+    device: BTreeMap<u32, DeviceExperts>,
     kv: KvCache,
     backend: CpuBackend,
     alloc: GraphAllocator,
@@ -533,12 +539,19 @@ impl Stage {
         let weights = Weights::load(&model, &range, &offloaded, cfg.repack, progress)?;
         let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, &backend)?;
         let alloc = GraphAllocator::new(backend.buffer_type());
+        let n_expert = hp.moe.as_ref().map_or(0, |m| m.n_expert as usize);
+        let expert_counts = offloaded
+            .iter()
+            .map(|&il| (il, vec![0; n_expert]))
+            .collect();
         let mut stage = Stage {
             model,
             range,
             cfg,
             weights,
             offloaded,
+            expert_counts,
+            device: BTreeMap::new(),
             kv,
             backend,
             alloc,
@@ -574,6 +587,80 @@ impl Stage {
         &self.offloaded
     }
 
+    /// Per offloaded layer, how many times each expert was selected
+    /// (`counts[expert]`, one per token and selected expert) by the steps
+    /// since load. Only the tokens a block computes count: on the model's
+    /// last layer, those whose logits were asked for.
+    pub fn expert_counts(&self) -> &BTreeMap<u32, Vec<u64>> {
+        &self.expert_counts
+    }
+
+    /// The `k` most selected experts of offloaded layer `layer` (ties go
+    /// to the lower id), ascending; empty for a layer that is not offloaded.
+    pub fn hot_experts(&self, layer: u32, k: usize) -> Vec<u32> {
+        let Some(counts) = self.expert_counts.get(&layer) else {
+            return Vec::new();
+        };
+        let mut order: Vec<u32> = (0..counts.len() as u32).collect();
+        order.sort_by_key(|&e| (Reverse(counts[e as usize]), e));
+        order.truncate(k);
+        order.sort_unstable();
+        order
+    }
+
+    /// Keeps the routed experts `experts` of offloaded layer `layer` on
+    /// this stage (`--gpu-experts`): their slices of `ffn_{up,gate,down}_exps`
+    /// are copied out of the file into tensors holding only them (repacked
+    /// as the whole tensors would be, with `repack`). Steps then
+    /// compute those experts here, beside the shared experts, and send the
+    /// executor only the tokens that selected an expert elsewhere. An empty
+    /// list gives them back; a new list replaces the old one.
+    pub fn set_device_experts(&mut self, layer: u32, experts: &[u32]) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Experts(why));
+        if !self.offloaded.contains(&layer) {
+            return bad(format!(
+                "layer {layer}'s routed experts are not offloaded from this stage (offloaded layers: {:?}), so none can be kept on it",
+                self.offloaded
+            ));
+        }
+        let n_expert = self.model.hparams.moe.as_ref().map_or(0, |m| m.n_expert);
+        let mut ids = experts.to_vec();
+        ids.sort_unstable();
+        if let Some(&id) = ids.iter().find(|&&e| e >= n_expert) {
+            return bad(format!(
+                "expert id {id} is outside layer {layer}'s {n_expert} experts"
+            ));
+        }
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("expert {} is listed twice for layer {layer}", w[0]));
+        }
+        // The old subset goes first, so that its memory is free for the new one.
+        self.device.remove(&layer);
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let d = DeviceExperts::load(
+            &self.model,
+            layer,
+            ids,
+            self.backend.buffer_type(),
+            self.cfg.repack,
+        )?;
+        self.device.insert(layer, d);
+        // This block's side graph grew.
+        self.reserve()
+    }
+
+    /// The experts of `layer` kept on this stage, ascending.
+    pub fn device_experts(&self, layer: u32) -> &[u32] {
+        self.device.get(&layer).map_or(&[], |d| &d.ids)
+    }
+
+    /// Bytes of the routed-expert subsets kept on this stage.
+    pub fn device_expert_bytes(&self) -> u64 {
+        self.device.values().map(|d| d.bytes).sum()
+    }
+
     /// Frees the KV cells of `seq` (all of them, or from position `from` on).
     pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
         self.kv.remove_seq(seq, from);
@@ -588,12 +675,19 @@ impl Stage {
             range: &self.range,
             weights: &self.weights,
             kv: &self.kv,
+            device: &self.device,
         };
         let oom = |e: String| EngineError::OutOfMemory {
             what: format!("compute buffer: {e}"),
             bytes: 0,
         };
         let n_cells = self.kv.config().n_cells();
+        let n_used = self
+            .model
+            .hparams
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.n_expert_used as usize);
         if self.offloaded.is_empty() {
             let ctx = Ctx::new(ggml::GRAPH_NODES, true);
             let (graph, _) = parts.build(&ctx, n, n_cells, n);
@@ -603,9 +697,9 @@ impl Stage {
             let ctx = Ctx::new(ggml::GRAPH_NODES, true);
             let (graph, _) = parts.build_segment(&ctx, n, n_cells, n, &seg);
             self.alloc.reserve(&graph).map_err(oom)?;
-            if let Some(r) = seg.resume.filter(|r| r.shared) {
+            if let Some(r) = seg.resume.filter(|r| r.side) {
                 let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-                let (graph, _) = parts.build_shared(&ctx, r.layer, n);
+                let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
                 self.alloc.reserve(&graph).map_err(oom)?;
             }
         }
@@ -627,7 +721,7 @@ impl Stage {
             resume = Some(Resume {
                 layer: il,
                 n_tokens: n_cut,
-                shared: hp.arch.has_shared_experts(hp, il),
+                side: hp.arch.has_shared_experts(hp, il) || self.device.contains_key(&il),
             });
             from = il + 1;
         }
@@ -646,6 +740,7 @@ struct GraphParts<'a> {
     range: &'a LayerRange,
     weights: &'a Weights,
     kv: &'a KvCache,
+    device: &'a BTreeMap<u32, DeviceExperts>,
 }
 
 /// A piece of one step's graph between offloaded expert blocks. The whole
@@ -662,13 +757,14 @@ struct Segment {
     cut: Option<u32>,
 }
 
-/// An offloaded block to finish: its layer, tokens, and whether it has
-/// shared experts (given as the input `inp_shared`).
+/// An offloaded block to finish: its layer, tokens, and whether the stage
+/// computed a side result for it (its shared experts and/or the routed
+/// experts kept on the stage), given as the input `inp_shared`.
 #[derive(Clone, Copy, Debug)]
 struct Resume {
     layer: u32,
     n_tokens: usize,
-    shared: bool,
+    side: bool,
 }
 
 /// What a segment's graph ends with.
@@ -720,9 +816,7 @@ impl GraphParts<'_> {
         let mut x = if let Some(r) = seg.resume {
             let rt = r.n_tokens as i64;
             let routed = ctx.input(TYPE_F32, &[e, rt], "inp_routed");
-            let shared = r
-                .shared
-                .then(|| ctx.input(TYPE_F32, &[e, rt], "inp_shared"));
+            let shared = r.side.then(|| ctx.input(TYPE_F32, &[e, rt], "inp_shared"));
             let ffn_inp = ctx.input(TYPE_F32, &[e, rt], "inp_ffn_inp");
             finish_moe(ctx, routed, shared, ffn_inp)
         } else if self.range.embed {
@@ -826,38 +920,62 @@ impl GraphParts<'_> {
         (graph, SegmentOut::Range(x))
     }
 
-    /// The shared experts of layer `il` on the input `inp_moe_cur`
-    /// (`[n_embd, n_tokens]`), as a graph of their own: the stage runs it
-    /// while the routed experts are computed elsewhere.
-    fn build_shared<'g>(
+    /// What the stage computes of offloaded block `il` while the executor
+    /// works, on the input `inp_moe_cur` (`[n_embd, n_tokens]`), as a graph
+    /// of its own: the shared experts, plus (`dev_width` > 0) the routed
+    /// experts kept on the stage (`set_device_experts`) with local ids
+    /// `inp_dev_ids` and weights `inp_dev_weights` (`[dev_width, n_tokens]`).
+    fn build_side<'g>(
         &'g self,
         ctx: &'g Ctx,
         il: u32,
         n_tokens: usize,
+        dev_width: usize,
     ) -> (ggml::Graph<'g>, Tensor<'g>) {
         let hp = &self.model.hparams;
         let nt = n_tokens as i64;
         let mut graph = ctx.new_graph();
         let cur = ctx.input(TYPE_F32, &[hp.n_embd as i64, nt], "inp_moe_cur");
-        // The layer context's other inputs are never read (so never allocated).
-        let cx = LayerCx {
-            g: ctx,
-            graph: &mut graph,
-            hp,
-            weights: self.weights,
-            kv: self.kv,
-            pos: ctx.input(TYPE_I32, &[nt], "inp_pos"),
-            kv_idx: ctx.input(TYPE_I64, &[nt], "inp_kv_idx"),
-            mask: ctx.input(TYPE_F16, &[1, nt], "inp_mask"),
-            mask_swa: None,
-            n_kv: 1,
-            n_tokens: nt,
-            out_ids: None,
+        let shared = hp.arch.has_shared_experts(hp, il).then(|| {
+            // The layer context's other inputs are never read (so never allocated).
+            let cx = LayerCx {
+                g: ctx,
+                graph: &mut graph,
+                hp,
+                weights: self.weights,
+                kv: self.kv,
+                pos: ctx.input(TYPE_I32, &[nt], "inp_pos"),
+                kv_idx: ctx.input(TYPE_I64, &[nt], "inp_kv_idx"),
+                mask: ctx.input(TYPE_F16, &[1, nt], "inp_mask"),
+                mask_swa: None,
+                n_kv: 1,
+                n_tokens: nt,
+                out_ids: None,
+            };
+            hp.arch
+                .build_shared_experts(&cx, il, cur)
+                .expect("has shared experts")
+        });
+        let device = self.device.get(&il).filter(|_| dev_width > 0);
+        let routed = device.map(|d| {
+            let k = dev_width as i64;
+            let selected = ctx.input(TYPE_I32, &[k, nt], "inp_dev_ids");
+            let weights = ctx.input(TYPE_F32, &[1, k, nt], "inp_dev_weights");
+            // Every supported MoE architecture gates its experts with SiLU.
+            moe_experts(
+                ctx,
+                &mut graph,
+                cur,
+                &Routing { selected, weights },
+                d.weights(),
+                Activation::Silu,
+            )
+        });
+        let out = match (shared, routed) {
+            (Some(s), Some(r)) => ctx.add(s, r),
+            (Some(t), None) | (None, Some(t)) => t,
+            (None, None) => unreachable!("built only for blocks with shared or device experts"),
         };
-        let out = hp
-            .arch
-            .build_shared_experts(&cx, il, cur)
-            .expect("built only for layers with shared experts");
         out.set_output();
         graph.expand(out);
         (graph, out)
@@ -890,6 +1008,13 @@ impl Stage {
     /// block's input, ids and weights, computes the shared experts, waits
     /// for the routed result and goes on. Without offloaded layers this is
     /// `forward` and `experts` is never called.
+    ///
+    /// A block with experts kept here (`set_device_experts`) computes them
+    /// beside the shared experts and submits only the tokens that selected
+    /// an expert elsewhere, with only those selections (see
+    /// [`ExpertBatch`]); when no token did, the executor is not called for
+    /// that block. Weight-0 stand-ins add exactly 0, so this changes only
+    /// the order of the sum.
     pub fn forward_with(
         &mut self,
         batch: &Batch,
@@ -981,6 +1106,7 @@ impl Stage {
         for mut seg in segments {
             if let (Some(r), Some(c)) = (seg.resume.as_mut(), carry.as_ref()) {
                 r.n_tokens = c.n_tokens;
+                r.side = c.shared.is_some();
             }
             let ctx = Ctx::new(ggml::GRAPH_NODES, true);
             // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
@@ -989,6 +1115,7 @@ impl Stage {
                 range: &self.range,
                 weights: &self.weights,
                 kv: &self.kv,
+                device: &self.device,
             };
             let (graph, out) = parts.build_segment(&ctx, n, n_kv, out_rows.len(), &seg);
             self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
@@ -1061,63 +1188,307 @@ impl Stage {
             weights.read_f32(&mut w_vals);
             // This segment's graph and context are done with.
             drop(ctx);
-            let exec = experts.as_deref_mut().ok_or_else(|| {
-                EngineError::Config(format!(
-                    "layer {layer}'s routed experts are elsewhere but no expert executor was given"
-                ))
-            })?;
-            let has_shared = hp.arch.has_shared_experts(hp, layer);
-            // The shared experts' graph takes its input before the routed
-            // experts' input moves to the executor.
-            let shared_ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            if let Some(counts) = self.expert_counts.get_mut(&layer) {
+                for &id in &id_vals {
+                    if let Some(n) = usize::try_from(id).ok().and_then(|i| counts.get_mut(i)) {
+                        *n += 1;
+                    }
+                }
+            }
+            let e = hp.n_embd as usize;
+            let n_used = id_vals.len() / n_cut.max(1);
+            let split = self
+                .device
+                .get(&layer)
+                .map(|d| split_work(&d.ids, n_used, &id_vals, &w_vals));
+            let dev_width = split.as_ref().map_or(0, |s| s.dev_width);
+            let has_side = hp.arch.has_shared_experts(hp, layer) || dev_width > 0;
+            // The side graph takes its input before the routed experts'
+            // input moves to the executor.
+            let side_ctx = Ctx::new(ggml::GRAPH_NODES, true);
             let parts = GraphParts {
                 model: &self.model,
                 range: &self.range,
                 weights: &self.weights,
                 kv: &self.kv,
+                device: &self.device,
             };
-            let shared_graph = if has_shared {
-                let (g, out) = parts.build_shared(&shared_ctx, layer, n_cut);
+            let side_graph = if has_side {
+                let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
                 self.alloc.alloc(&g).map_err(EngineError::Ggml)?;
-                shared_ctx
-                    .get_tensor("inp_moe_cur")
-                    .expect("declared")
-                    .write(&x);
+                let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
+                input("inp_moe_cur").write(&x);
+                if let Some(s) = split.as_ref().filter(|_| dev_width > 0) {
+                    input("inp_dev_ids").write(&s.dev_ids);
+                    input("inp_dev_weights").write(&s.dev_weights);
+                }
                 Some((g, out))
             } else {
                 None
             };
-            exec.submit(ExpertBatch {
-                layer,
-                n_tokens: n_cut,
-                x,
-                ids: id_vals,
-                weights: w_vals,
-            })?;
+            // The executor's share: every token, or with device experts
+            // only the tokens that selected an expert elsewhere (`rows`).
+            let (rows, batch) = match split {
+                None => (
+                    None,
+                    Some(ExpertBatch {
+                        layer,
+                        n_tokens: n_cut,
+                        x,
+                        ids: id_vals,
+                        weights: w_vals,
+                    }),
+                ),
+                Some(s) if s.rows.is_empty() => (None, None),
+                Some(s) => {
+                    let x = if s.rows.len() == n_cut {
+                        x
+                    } else {
+                        s.rows
+                            .iter()
+                            .flat_map(|&t| &x[t * e..(t + 1) * e])
+                            .copied()
+                            .collect()
+                    };
+                    let batch = ExpertBatch {
+                        layer,
+                        n_tokens: s.rows.len(),
+                        x,
+                        ids: s.ids,
+                        weights: s.weights,
+                    };
+                    (Some(s.rows), Some(batch))
+                }
+            };
+            let mut remote = None;
+            if let Some(batch) = batch {
+                let exec = experts.as_deref_mut().ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "layer {layer}'s routed experts are elsewhere but no expert executor was given"
+                    ))
+                })?;
+                let n_sent = batch.n_tokens;
+                exec.submit(batch)?;
+                remote = Some((exec, n_sent));
+            }
             // Overlaps with the executor's work; wait even if it fails, so
             // that the executor is left with nothing pending.
-            let shared = shared_graph.map(|(g, out)| {
+            let side = side_graph.map(|(g, out)| {
                 self.backend.compute(&g).map(|()| {
                     let mut v = Vec::new();
                     out.read_f32(&mut v);
                     v
                 })
             });
-            let routed = exec.wait();
-            c.shared = shared.transpose().map_err(EngineError::Ggml)?;
-            c.routed = routed?;
-            let want = n_cut * hp.n_embd as usize;
-            if c.routed.len() != want {
-                return Err(EngineError::Experts(format!(
-                    "layer {layer}: the executor returned {} values for {n_cut} tokens of width {} ({want})",
-                    c.routed.len(),
-                    hp.n_embd
-                )));
-            }
+            let routed = remote.map(|(exec, n_sent)| (exec.wait(), n_sent));
+            c.shared = side.transpose().map_err(EngineError::Ggml)?;
+            c.routed = match routed {
+                // Nothing elsewhere: the side graph computed every selected expert.
+                None => vec![0.0; n_cut * e],
+                Some((got, n_sent)) => {
+                    let got = got?;
+                    if got.len() != n_sent * e {
+                        return Err(EngineError::Experts(format!(
+                            "layer {layer}: the executor returned {} values for {n_sent} tokens of width {e} ({})",
+                            got.len(),
+                            n_sent * e
+                        )));
+                    }
+                    match rows {
+                        None => got,
+                        Some(rows) => {
+                            // Tokens not sent had nothing elsewhere: 0.
+                            let mut all = vec![0.0; n_cut * e];
+                            for (i, &t) in rows.iter().enumerate() {
+                                all[t * e..(t + 1) * e].copy_from_slice(&got[i * e..(i + 1) * e]);
+                            }
+                            all
+                        }
+                    }
+                }
+            };
             carry = Some(c);
         }
         unreachable!("the last segment ends the range")
     }
+}
+
+/// The routed experts of one offloaded layer that a stage keeps after
+/// all (`Stage::set_device_experts`): `ffn_{up,gate,down}_exps`, in that
+/// order, cut down to those experts (`[.., .., K]`), each in its own
+/// buffer: repacked where llama.cpp's loader would repack the whole tensor
+/// (so the stage runs the executor's kernels), else plain.
+struct DeviceExperts {
+    /// The experts held, ascending: local expert `i` is `ids[i]`.
+    ids: Vec<u32>,
+    tensors: Vec<(TensorStore, Buffer)>,
+    bytes: u64,
+}
+
+impl DeviceExperts {
+    /// Copies the slices of experts `ids` of layer `il` out of the file.
+    fn load(
+        model: &ModelFile,
+        il: u32,
+        ids: Vec<u32>,
+        buft: BufferType,
+        repack: bool,
+    ) -> Result<DeviceExperts, EngineError> {
+        let g = &model.gguf;
+        let n_used = model
+            .hparams
+            .moe
+            .as_ref()
+            .map_or(1, |m| m.n_expert_used as i64);
+        let repack_buft = if repack {
+            ggml::cpu_extra_buffer_types().first().copied()
+        } else {
+            None
+        };
+        let mut tensors = Vec::with_capacity(3);
+        let mut bytes = 0;
+        for name in ["ffn_up_exps", "ffn_gate_exps", "ffn_down_exps"] {
+            let name = format!("blk.{il}.{name}.weight");
+            let info = g.tensor(&name).ok_or_else(|| EngineError::MissingTensor {
+                name: name.clone(),
+                arch: model.hparams.arch.name(),
+            })?;
+            // Experts are the outermost dimension: each one's bytes are
+            // one contiguous slice (whole quantization blocks).
+            let n_expert = info.dims[2] as usize;
+            let per = info.size as usize / n_expert;
+            let src = g.tensor_data(info);
+            let mut data = Vec::with_capacity(per * ids.len());
+            for &id in &ids {
+                data.extend_from_slice(&src[id as usize * per..(id as usize + 1) * per]);
+            }
+            let mut store = TensorStore::new(1);
+            let ne = [info.dims[0] as i64, info.dims[1] as i64, ids.len() as i64];
+            store.add(info.ggml_type.id(), &ne, &name);
+            // Asked of the whole tensor, as the executor's loader asks, and
+            // of the subset, which is what the kernel gets.
+            let mut whole = TensorStore::new(1);
+            let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
+            whole.add(info.ggml_type.id(), &dims, &name);
+            let target = repack_buft
+                .filter(|&b| {
+                    ggml::buft_supports_mul_mat_id(b, whole.get(0), n_used)
+                        && ggml::buft_supports_mul_mat_id(b, store.get(0), n_used)
+                })
+                .unwrap_or(buft);
+            let buffer =
+                Buffer::alloc_ctx(store.ctx(), target).ok_or(EngineError::OutOfMemory {
+                    what: format!("layer {il}'s {} device experts", ids.len()),
+                    bytes: data.len() as u64,
+                })?;
+            store.get(0).write_bytes(&data);
+            bytes += data.len() as u64;
+            tensors.push((store, buffer));
+        }
+        Ok(DeviceExperts {
+            ids,
+            tensors,
+            bytes,
+        })
+    }
+
+    /// `ffn_up_exps`, `ffn_gate_exps`, `ffn_down_exps` of the experts held.
+    fn weights(&self) -> [Tensor<'_>; 3] {
+        [0, 1, 2].map(|i| self.tensors[i].0.get(0))
+    }
+}
+
+/// One offloaded block's selections split between the experts kept on the
+/// stage and the executor. Each side gets, per token, its own selections
+/// in selection order, padded to the side's width (the most any token has
+/// there) with weight-0 stand-ins, which add exactly 0. `mul_mat_id` needs
+/// the same count for every token, and ggml's repacked CPU kernel needs
+/// distinct ids within a token (it keeps at most one row per expert and
+/// token), so the stand-ins are experts that side computes for another
+/// token of the batch anyway: no expert's weights are read for nothing.
+#[derive(Debug, PartialEq)]
+struct SplitWork {
+    /// The stage's part, for every token: local ids into the device subset
+    /// and weights, `[n_tokens][dev_width]`; width 0 when no token selected
+    /// an expert kept here.
+    dev_width: usize,
+    dev_ids: Vec<i32>,
+    dev_weights: Vec<f32>,
+    /// The executor's part: the tokens with an expert elsewhere, ascending,
+    /// and their ids and weights, `[rows.len()][width]`.
+    rows: Vec<usize>,
+    width: usize,
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+}
+
+/// Splits `ids` and `weights` (`[n_tokens][n_used]`) between the experts
+/// `device` (ascending) and the rest.
+fn split_work(device: &[u32], n_used: usize, ids: &[i32], weights: &[f32]) -> SplitWork {
+    let local = |id: i32| {
+        u32::try_from(id)
+            .ok()
+            .and_then(|id| device.binary_search(&id).ok())
+    };
+    // Per token, its selections on each side: (id, weight), local ids on the stage's.
+    let mut here: Vec<Vec<(i32, f32)>> = Vec::new();
+    let mut there: Vec<(usize, Vec<(i32, f32)>)> = Vec::new();
+    for (t, (row, wrow)) in ids
+        .chunks_exact(n_used)
+        .zip(weights.chunks_exact(n_used))
+        .enumerate()
+    {
+        let (mut h, mut r) = (Vec::new(), Vec::new());
+        for (&id, &w) in row.iter().zip(wrow) {
+            match local(id) {
+                Some(l) => h.push((l as i32, w)),
+                None => r.push((id, w)),
+            }
+        }
+        here.push(h);
+        if !r.is_empty() {
+            there.push((t, r));
+        }
+    }
+    let (dev_width, dev_ids, dev_weights) = pad(here.iter().map(|h| &h[..]));
+    let (width, ids, weights) = pad(there.iter().map(|(_, r)| &r[..]));
+    SplitWork {
+        dev_width,
+        dev_ids,
+        dev_weights,
+        rows: there.iter().map(|(t, _)| *t).collect(),
+        width,
+        ids,
+        weights,
+    }
+}
+
+/// Lays out one side's rows as `[n_rows][width]` ids and weights, `width`
+/// the longest row, filling each shorter row with ids of other rows it
+/// does not hold (there are always enough: the longest row alone has
+/// `width` of them), weight 0.
+fn pad<'a>(rows: impl Iterator<Item = &'a [(i32, f32)]> + Clone) -> (usize, Vec<i32>, Vec<f32>) {
+    let width = rows.clone().map(<[_]>::len).max().unwrap_or(0);
+    let mut pool: Vec<i32> = Vec::new();
+    for &(id, _) in rows.clone().flatten() {
+        if !pool.contains(&id) {
+            pool.push(id);
+        }
+    }
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for row in rows {
+        ids.extend(row.iter().map(|&(id, _)| id));
+        weights.extend(row.iter().map(|&(_, w)| w));
+        let stand_ins = pool
+            .iter()
+            .filter(|&&p| !row.iter().any(|&(id, _)| id == p))
+            .take(width - row.len());
+        for &p in stand_ins {
+            ids.push(p);
+            weights.push(0.0);
+        }
+    }
+    (width, ids, weights)
 }
 
 /// An offloaded block's results on the host, for the segment that finishes it.
@@ -1176,6 +1547,100 @@ mod tests {
             .to_string()
             .contains("need"));
         assert!(Hidden::from_bytes(b"nope").is_err());
+    }
+
+    #[test]
+    fn split_work_gives_each_side_its_experts_and_distinct_weight_0_stand_ins() {
+        // Two experts per token; experts 2 and 5 (local 0 and 1) are kept on the stage.
+        let ids = [5, 1, 3, 7, 2, 5, 0, 2];
+        let w = [0.6, 0.4, 0.7, 0.3, 0.8, 0.2, 0.9, 0.1];
+        let s = split_work(&[2, 5], 2, &ids, &w);
+        assert_eq!(s.dev_width, 2);
+        assert_eq!(s.dev_ids, [1, 0, 1, 0, 0, 1, 0, 1]);
+        assert_eq!(s.dev_weights, [0.6, 0.0, 0.0, 0.0, 0.8, 0.2, 0.1, 0.0]);
+        // Token 2 has nothing elsewhere.
+        assert_eq!((s.rows, s.width), (vec![0, 1, 3], 2));
+        assert_eq!(s.ids, [1, 3, 3, 7, 0, 1]);
+        assert_eq!(s.weights, [0.4, 0.0, 0.7, 0.3, 0.9, 0.0]);
+        // One token (a decode step): no stand-ins at all.
+        let s = split_work(&[2, 5], 2, &ids[..2], &w[..2]);
+        assert_eq!(
+            (s.dev_width, s.dev_ids, s.dev_weights),
+            (1, vec![1], vec![0.6])
+        );
+        assert_eq!((s.width, s.ids, s.weights), (1, vec![1], vec![0.4]));
+        let none = split_work(&[], 2, &ids, &w);
+        assert_eq!(none.dev_width, 0);
+        assert_eq!(
+            (none.rows, none.ids, none.weights),
+            (vec![0, 1, 2, 3], ids.to_vec(), w.to_vec())
+        );
+        let all = split_work(&[0, 1, 2, 3, 5, 7], 2, &ids, &w);
+        assert!(all.rows.is_empty() && all.width == 0 && all.dev_weights == w);
+    }
+
+    #[test]
+    fn split_work_keeps_every_selection_once_and_ids_distinct() {
+        let (n_expert, n_used, n) = (16u32, 4, 40);
+        // Top-k style rows: distinct ids, positive weights.
+        let mut ids = Vec::new();
+        for t in 0..n {
+            let mut row: Vec<i32> = Vec::new();
+            let mut k = t * 7 + 3;
+            while row.len() < n_used {
+                k = (k * 13 + 5) % n_expert as usize;
+                if !row.contains(&(k as i32)) {
+                    row.push(k as i32);
+                }
+            }
+            ids.extend(row);
+        }
+        let w: Vec<f32> = (0..ids.len())
+            .map(|i| 0.05 + (i % 5) as f32 * 0.1)
+            .collect();
+        for device in [vec![0], vec![3, 9], vec![1, 4, 6, 10, 11, 12, 13, 14, 15]] {
+            let s = split_work(&device, n_used, &ids, &w);
+            assert!(s.dev_width <= n_used && s.width <= n_used);
+            let mut seen = vec![Vec::new(); n];
+            for (t, (row, wrow)) in s
+                .dev_ids
+                .chunks(s.dev_width.max(1))
+                .zip(s.dev_weights.chunks(s.dev_width.max(1)))
+                .enumerate()
+                .take(if s.dev_width == 0 { 0 } else { n })
+            {
+                let mut d = row.to_vec();
+                d.sort_unstable();
+                d.dedup();
+                assert_eq!(d.len(), row.len(), "{device:?}: {row:?}");
+                for (&l, &wt) in row.iter().zip(wrow) {
+                    if wt != 0.0 {
+                        seen[t].push((device[l as usize] as i32, wt.to_bits()));
+                    }
+                }
+            }
+            for (i, &t) in s.rows.iter().enumerate() {
+                let row = &s.ids[i * s.width..(i + 1) * s.width];
+                let mut d = row.to_vec();
+                d.sort_unstable();
+                d.dedup();
+                assert_eq!(d.len(), row.len(), "{device:?}: {row:?}");
+                assert!(row.iter().all(|&id| !device.contains(&(id as u32))));
+                for (&id, &wt) in row.iter().zip(&s.weights[i * s.width..]) {
+                    if wt != 0.0 {
+                        seen[t].push((id, wt.to_bits()));
+                    }
+                }
+            }
+            for (t, mut got) in seen.into_iter().enumerate() {
+                let mut want: Vec<(i32, u32)> = (0..n_used)
+                    .map(|j| (ids[t * n_used + j], w[t * n_used + j].to_bits()))
+                    .collect();
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(got, want, "{device:?} token {t}");
+            }
+        }
     }
 
     #[test]

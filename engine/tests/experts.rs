@@ -6,9 +6,17 @@
 //! exactly, and the same logits bit for bit as the stages that hold their
 //! experts (same ggml nodes in the same order). Bad inputs are errors, and
 //! the weight bytes move exactly.
+//!
+//! Some experts of the offloaded layers kept on the stage after all
+//! (`set_device_experts`: the hot ones, a fixed pair, all of them): still
+//! the fixture's greedy ids and logits within tolerance, and the executor
+//! gets exactly the selections of the other experts (none at all when the
+//! stage keeps every expert). The routing counts add up to the tokens each
+//! block computed.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
@@ -62,9 +70,67 @@ fn expert_bytes(m: &ModelFile, layers: &[u32]) -> u64 {
         .sum()
 }
 
+/// An expert stage behind a counter of what reaches it. It also checks
+/// that no expert the stage keeps (`device`) is ever sent, that every
+/// token sent has work here, and that a token's ids are distinct (ggml's
+/// repacked `mul_mat_id` computes wrong sums otherwise).
+struct Counting {
+    inner: ExpertStage,
+    device: BTreeMap<u32, Vec<u32>>,
+    submits: usize,
+    /// Tokens sent.
+    rows: usize,
+    /// (token, expert) pairs sent with a weight (the rest are weight-0
+    /// stand-ins that fill a token's row).
+    pairs: usize,
+    /// Bytes of the batches as f32 inputs, i32 ids and f32 weights.
+    bytes: usize,
+}
+
+impl Counting {
+    fn new(inner: ExpertStage) -> Counting {
+        Counting {
+            inner,
+            device: BTreeMap::new(),
+            submits: 0,
+            rows: 0,
+            pairs: 0,
+            bytes: 0,
+        }
+    }
+}
+
+impl ExpertExec for Counting {
+    fn submit(&mut self, b: ExpertBatch) -> Result<(), EngineError> {
+        let width = b.ids.len() / b.n_tokens;
+        let kept = self.device.get(&b.layer).map_or(&[][..], |v| &v[..]);
+        for (row, w) in b.ids.chunks_exact(width).zip(b.weights.chunks_exact(width)) {
+            assert!(
+                !row.iter().any(|&id| kept.contains(&(id as u32))),
+                "layer {}: experts kept on the stage were sent: {row:?} (kept {kept:?})",
+                b.layer
+            );
+            let mut distinct = row.to_vec();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert_eq!(distinct.len(), width, "layer {}: {row:?}", b.layer);
+            let n = w.iter().filter(|&&w| w != 0.0).count();
+            assert!(n > 0, "layer {}: a token with no work was sent", b.layer);
+            self.pairs += n;
+        }
+        self.submits += 1;
+        self.rows += b.n_tokens;
+        self.bytes += 4 * (b.x.len() + b.ids.len() + b.weights.len());
+        self.inner.submit(b)
+    }
+    fn wait(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.inner.wait()
+    }
+}
+
 /// A chain of stages, each with the expert stage of its offloaded layers.
 struct Chain {
-    stages: Vec<(Stage, Option<ExpertStage>)>,
+    stages: Vec<(Stage, Option<Counting>)>,
 }
 
 impl Chain {
@@ -81,8 +147,9 @@ impl Chain {
                     .filter(|&il| r.layers.contains(&il) && offload(il))
                     .collect();
                 let stage = Stage::load_offloaded(m.clone(), r, config(), &off).unwrap();
-                let experts = (!off.is_empty())
-                    .then(|| ExpertStage::load(m.clone(), &off, expert_config()).unwrap());
+                let experts = (!off.is_empty()).then(|| {
+                    Counting::new(ExpertStage::load(m.clone(), &off, expert_config()).unwrap())
+                });
                 (stage, experts)
             })
             .collect();
@@ -107,6 +174,46 @@ impl Chain {
         panic!("no head")
     }
 
+    /// Keeps `experts(layer)` of every offloaded layer on its stage.
+    fn keep(&mut self, experts: &ExpertsOf<'_>) {
+        for (stage, exec) in &mut self.stages {
+            let exec = exec.as_mut().unwrap();
+            for il in stage.offloaded_layers().to_vec() {
+                let set = experts(il);
+                stage.set_device_experts(il, &set).unwrap();
+                exec.device.insert(il, set);
+            }
+        }
+    }
+
+    /// (submits, rows, pairs, bytes) that reached the executors.
+    fn sent(&self) -> (usize, usize, usize, usize) {
+        self.stages
+            .iter()
+            .filter_map(|(_, e)| e.as_ref())
+            .fold((0, 0, 0, 0), |(s, r, p, b), e| {
+                (s + e.submits, r + e.rows, p + e.pairs, b + e.bytes)
+            })
+    }
+
+    /// Every offloaded layer's routing counts.
+    fn counts(&self) -> BTreeMap<u32, Vec<u64>> {
+        self.stages
+            .iter()
+            .flat_map(|(s, _)| s.expert_counts().clone())
+            .collect()
+    }
+
+    /// The teacher-forced logits of `tokens` in one batch.
+    fn teacher_forced(&mut self, tokens: &[u32]) -> Vec<Vec<f32>> {
+        self.clear();
+        let mut b = Batch::default();
+        for (i, &t) in tokens.iter().enumerate() {
+            b.push(t, i as i32, 0, true);
+        }
+        self.step(&b)
+    }
+
     fn clear(&mut self) {
         for (s, _) in &mut self.stages {
             s.remove_seq(0, None);
@@ -116,12 +223,7 @@ impl Chain {
     /// Teacher-forced logits of `tokens` (one batch), then the greedy ids
     /// of each prompt (`n` steps), with every step's logits.
     fn run(&mut self, tokens: &[u32], prompts: &[Vec<u32>], n: usize) -> Run {
-        self.clear();
-        let mut b = Batch::default();
-        for (i, &t) in tokens.iter().enumerate() {
-            b.push(t, i as i32, 0, true);
-        }
-        let tf = self.step(&b);
+        let tf = self.teacher_forced(tokens);
         let mut ids = Vec::new();
         let mut steps = Vec::new();
         for p in prompts {
@@ -187,18 +289,53 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
+/// A synthetic file's reference: the teacher-forced tokens and logits,
+/// the greedy prompts and ids, and the logit tolerance (fixtures README).
+struct Fixture {
+    tokens: Vec<u32>,
+    want_tf: Vec<f32>,
+    prompts: Vec<Vec<u32>>,
+    want_ids: Vec<Vec<u32>>,
+    n_gen: usize,
+    tol: f32,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let fx = json(&format!("synthetic/ref_{name}.json"));
+    let gens = fx["generations"].as_array().unwrap();
+    let want_ids: Vec<Vec<u32>> = gens.iter().map(|g| ids(&g["generated_ids"])).collect();
+    Fixture {
+        tokens: ids(&fx["teacher_forced"]["input_ids"]),
+        want_tf: read_npy_f32(&fixtures_dir().join(format!("synthetic/tf_logits_{name}.npy"))),
+        prompts: gens.iter().map(|g| ids(&g["prompt_ids"])).collect(),
+        n_gen: want_ids[0].len(),
+        want_ids,
+        tol: if name.ends_with("f32") { 0.05 } else { 0.25 },
+    }
+}
+
+/// Max |diff| of teacher-forced logits against the fixture's.
+fn tf_vs_fixture(got: &[Vec<f32>], fx: &Fixture) -> f32 {
+    assert_eq!(got.len() * got[0].len(), fx.want_tf.len());
+    got.iter()
+        .flatten()
+        .zip(&fx.want_tf)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max)
+}
+
 /// Every fixture, offloaded three ways, against the fixture and against
 /// the same stages holding their experts.
 fn check(name: &str) {
     let m = open(name);
-    let fx = json(&format!("synthetic/ref_{name}.json"));
-    let tol = if name.ends_with("f32") { 0.05 } else { 0.25 };
-    let tokens = ids(&fx["teacher_forced"]["input_ids"]);
-    let want_tf = read_npy_f32(&fixtures_dir().join(format!("synthetic/tf_logits_{name}.npy")));
-    let gens = fx["generations"].as_array().unwrap();
-    let prompts: Vec<Vec<u32>> = gens.iter().map(|g| ids(&g["prompt_ids"])).collect();
-    let want_ids: Vec<Vec<u32>> = gens.iter().map(|g| ids(&g["generated_ids"])).collect();
-    let n_gen = want_ids[0].len();
+    let Fixture {
+        tokens,
+        want_tf,
+        prompts,
+        want_ids,
+        n_gen,
+        tol,
+    } = fixture(name);
     let n_layer = m.hparams.n_layer;
     let moe = moe_layers(&m);
     let some = [moe[0], *moe.last().unwrap()];
@@ -407,4 +544,235 @@ fn bad_expert_inputs_are_errors() {
     // After the failed steps, the stage still runs one with a good executor.
     let mut ex = ExpertStage::load(m.clone(), &[1], expert_config()).unwrap();
     st.forward_with(&b, None, &mut ex).unwrap();
+}
+
+/// Which experts of a layer to keep on the stage.
+type ExpertsOf<'a> = dyn Fn(u32) -> Vec<u32> + 'a;
+
+/// Every fixture with all MoE layers offloaded, then with some of their
+/// experts kept on the stage: the hot ones of a first run, a fixed pair,
+/// all of them.
+fn check_device_experts(name: &str) {
+    let m = open(name);
+    let fx = fixture(name);
+    let (n_layer, moe_p) = (m.hparams.n_layer, m.hparams.moe.clone().unwrap());
+    let (n_expert, n_used) = (moe_p.n_expert, moe_p.n_expert_used as usize);
+    let moe = moe_layers(&m);
+
+    // All remote: the routing counts are the tokens each block computed
+    // times n_used (the last layer computes only the rows whose logits
+    // are wanted), and the executor gets every one of those selections.
+    let mut base_chain = Chain::load(&m, &[n_layer], &|_| true);
+    let base = base_chain.run(&fx.tokens, &fx.prompts, fx.n_gen);
+    let counts = base_chain.counts();
+    assert_eq!(counts.keys().copied().collect::<Vec<_>>(), moe, "{name}");
+    let mut computed = 0;
+    for (&il, c) in &counts {
+        assert_eq!(c.len(), n_expert as usize);
+        let per_prompt = |p: &Vec<u32>| if il + 1 == n_layer { 1 } else { p.len() };
+        let tokens = fx.tokens.len()
+            + fx.prompts
+                .iter()
+                .map(|p| per_prompt(p) + fx.n_gen - 1)
+                .sum::<usize>();
+        assert_eq!(
+            c.iter().sum::<u64>(),
+            (tokens * n_used) as u64,
+            "{name} layer {il}: {c:?}"
+        );
+        computed += tokens;
+    }
+    let (b_submits, b_rows, b_pairs, b_bytes) = base_chain.sent();
+    assert_eq!((b_rows, b_pairs), (computed, computed * n_used), "{name}");
+
+    // hot_experts: the k best counts, ties to the lower id, ascending.
+    let stage = &base_chain.stages[0].0;
+    for (&il, c) in &counts {
+        for k in [0, 1, n_used, n_expert as usize, n_expert as usize + 3] {
+            let hot = stage.hot_experts(il, k);
+            assert_eq!(hot.len(), k.min(n_expert as usize), "{name} {il} {k}");
+            assert!(hot.windows(2).all(|w| w[0] < w[1]), "{hot:?}");
+            for out in (0..n_expert).filter(|e| !hot.contains(e)) {
+                for &h in &hot {
+                    let (ch, co) = (c[h as usize], c[out as usize]);
+                    assert!(
+                        ch > co || (ch == co && h < out),
+                        "{name} layer {il} k={k}: {h} ({ch}) is hot but {out} ({co}) is not"
+                    );
+                }
+            }
+        }
+    }
+    assert!(stage.hot_experts(n_layer, 4).is_empty());
+    let hot: BTreeMap<u32, Vec<u32>> = moe
+        .iter()
+        .map(|&il| (il, stage.hot_experts(il, n_used)))
+        .collect();
+
+    let cases: [(&str, &ExpertsOf<'_>); 3] = [
+        ("hot", &|il| hot[&il].clone()),
+        ("[0, 3]", &|_| vec![3, 0]),
+        ("all", &|_| (0..n_expert).rev().collect()),
+    ];
+    for (what, set) in cases {
+        let mut chain = Chain::load(&m, &[n_layer], &|_| true);
+        chain.keep(set);
+        let st = &chain.stages[0].0;
+        let mut want_bytes = 0;
+        for &il in &moe {
+            let mut s = set(il);
+            s.sort_unstable();
+            assert_eq!(st.device_experts(il), &s[..], "{name} {what}");
+            // Whole expert slices of the three tensors.
+            want_bytes += expert_bytes(&m, &[il]) / n_expert as u64 * s.len() as u64;
+        }
+        assert_eq!(st.device_expert_bytes(), want_bytes, "{name} {what}");
+
+        let got = chain.run(&fx.tokens, &fx.prompts, fx.n_gen);
+        let (submits, rows, pairs, bytes) = chain.sent();
+        let counts = chain.counts();
+        // The executor got exactly the selections of experts not kept here.
+        let elsewhere: u64 = counts
+            .iter()
+            .map(|(&il, c)| {
+                let kept = set(il);
+                (0..n_expert)
+                    .filter(|e| !kept.contains(e))
+                    .map(|e| c[e as usize])
+                    .sum::<u64>()
+            })
+            .sum();
+        let d_fixture = tf_vs_fixture(&got.tf, &fx);
+        let (d_tf, d_steps) = (
+            max_diff(&got.tf, &base.tf),
+            max_diff(&got.steps, &base.steps),
+        );
+        eprintln!(
+            "{name} device experts {what}: sent {submits} batches, {rows} rows, {pairs} (token, expert) pairs, {bytes} bytes (all remote: {b_submits}, {b_rows}, {b_pairs}, {b_bytes}); {want_bytes} weight bytes kept; vs fixture teacher-forced {d_fixture:.2e}; vs all remote: teacher-forced {d_tf:.2e}, greedy steps {d_steps:.2e}; greedy ids {}",
+            if got.ids == fx.want_ids { "equal" } else { "DIFFER" }
+        );
+        assert_eq!(pairs as u64, elsewhere, "{name} {what}");
+        assert!(
+            d_fixture <= fx.tol,
+            "{name} {what}: {d_fixture} > {}",
+            fx.tol
+        );
+        assert!(
+            d_tf <= fx.tol && d_steps <= fx.tol,
+            "{name} {what}: {d_tf} {d_steps}"
+        );
+        assert_eq!(got.ids, fx.want_ids, "{name} {what}: greedy ids");
+        if what == "all" {
+            assert_eq!(
+                (submits, rows, pairs),
+                (0, 0, 0),
+                "{name}: nothing is elsewhere"
+            );
+            assert_eq!(bytes, 0);
+        } else {
+            // Fewer selections always; fewer tokens only where some
+            // token's experts are all kept (likely with K = 4 hot ones of
+            // 16, not with 2 fixed ones).
+            assert!(
+                pairs < b_pairs && rows <= b_rows && submits <= b_submits && bytes < b_bytes,
+                "{name} {what}: sent {rows} rows, {pairs} pairs, {bytes} bytes"
+            );
+        }
+
+        // Given back, the stage sends everything again, as before.
+        for il in moe.clone() {
+            chain.stages[0].0.set_device_experts(il, &[]).unwrap();
+            chain.stages[0].1.as_mut().unwrap().device.clear();
+            assert!(chain.stages[0].0.device_experts(il).is_empty());
+        }
+        assert_eq!(chain.stages[0].0.device_expert_bytes(), 0);
+        assert_eq!(chain.teacher_forced(&fx.tokens), base.tf, "{name} {what}");
+    }
+}
+
+#[test]
+fn qwen3moe_device_experts_match() {
+    for f in &FILES[..3] {
+        check_device_experts(f);
+    }
+}
+
+#[test]
+fn deepseek2_mla_device_experts_match() {
+    for f in &FILES[3..6] {
+        check_device_experts(f);
+    }
+}
+
+#[test]
+fn deepseek2_legacy_device_experts_match() {
+    for f in &FILES[6..] {
+        check_device_experts(f);
+    }
+}
+
+#[test]
+fn bad_device_experts_are_errors() {
+    let m = open("tiny-deepseek2-mla-q4_k_m");
+    let r = LayerRange::split(4, &[2, 2]).unwrap();
+    let mut st = Stage::load_offloaded(m.clone(), r[0].clone(), config(), &[1]).unwrap();
+    let err = |r: Result<(), EngineError>| r.unwrap_err().to_string();
+    // Layer 0 is dense, layer 3 is on another stage, layer 9 is not in the model.
+    for il in [0, 3, 9] {
+        let msg = err(st.set_device_experts(il, &[1]));
+        assert!(
+            msg.contains(&format!("layer {il}'s routed experts are not offloaded"))
+                && msg.contains("[1]"),
+            "{msg}"
+        );
+    }
+    let msg = err(st.set_device_experts(1, &[2, 16]));
+    assert!(
+        msg.contains("expert id 16") && msg.contains("16 experts"),
+        "{msg}"
+    );
+    let msg = err(st.set_device_experts(1, &[3, 1, 3]));
+    assert!(msg.contains("expert 3 is listed twice"), "{msg}");
+    assert!(st.device_experts(1).is_empty());
+    assert_eq!(st.device_expert_bytes(), 0);
+    // A bad list leaves the good one in place.
+    st.set_device_experts(1, &[7, 2]).unwrap();
+    let bytes = st.device_expert_bytes();
+    assert_eq!(bytes, expert_bytes(&m, &[1]) / 8);
+    err(st.set_device_experts(1, &[2, 2]));
+    assert_eq!(st.device_experts(1), &[2, 7]);
+    assert_eq!(st.device_expert_bytes(), bytes);
+    // And a step still runs with it.
+    let mut ex = Counting::new(ExpertStage::load(m.clone(), &[1], expert_config()).unwrap());
+    ex.device.insert(1, vec![2, 7]);
+    let mut b = Batch::default();
+    b.push(5, 0, 0, true);
+    st.forward_with(&b, None, &mut ex).unwrap();
+    assert_eq!(st.expert_counts()[&1].iter().sum::<u64>(), 4);
+}
+
+/// A batch cut down by a stage that keeps some experts has fewer ids per
+/// token (the same number for each); the sum is that of the full row with
+/// the missing experts at weight 0, bit for bit.
+#[test]
+fn expert_batches_may_be_narrower() {
+    let m = open("tiny-deepseek2-mla-q4_k_m");
+    let e = m.hparams.n_embd as usize;
+    let mut ex = ExpertStage::load(m.clone(), &[1], expert_config()).unwrap();
+    let x: Vec<f32> = (0..3 * e)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 60.0)
+        .collect();
+    let full_ids = [3, 7, 1, 12, 0, 5, 9, 2, 15, 14, 4, 6];
+    let full_w = [0.4, 0.3, 0.0, 0.0, 0.6, 0.2, 0.0, 0.0, 0.5, 0.1, 0.0, 0.0];
+    let narrow_ids = [3, 7, 0, 5, 15, 14];
+    let narrow_w = [0.4, 0.3, 0.6, 0.2, 0.5, 0.1];
+    let full = ex.run(1, &x, &full_ids, &full_w).unwrap();
+    let narrow = ex.run(1, &x, &narrow_ids, &narrow_w).unwrap();
+    assert_eq!(narrow, full);
+    let err = |r: Result<Vec<f32>, EngineError>| r.unwrap_err().to_string();
+    // Uneven, or wider than n_used.
+    let msg = err(ex.run(1, &x, &narrow_ids[..5], &narrow_w[..5]));
+    assert!(msg.contains("12 ids and weights, got 5 ids"), "{msg}");
+    let msg = err(ex.run(1, &x, &[1; 15], &[0.1; 15]));
+    assert!(msg.contains("got 15 ids and 15 weights"), "{msg}");
 }
