@@ -17,12 +17,15 @@ use metrics::Metrics;
 use omni_engine::chat::ChatTemplate;
 use omni_engine::model::ModelFile;
 use omni_engine::tokenizer::Tokenizer;
-use omni_proto::coordinator::v1::{inference_server, registry_server, InfoReply, StageInfo};
+use omni_proto::coordinator::v1::{
+    inference_server, registry_server, ExpertWorkerInfo, InfoReply, StageInfo, WorkerKind,
+};
 use omni_proto::worker::v1::{
-    worker_client::WorkerClient, Endpoint, Inventory, LoadRequest, Transport, WireRequest,
+    experts_client::ExpertsClient, worker_client::WorkerClient, Endpoint, ExpertRoute, Inventory,
+    LoadExpertsRequest, LoadRequest, Transport, WireRequest,
 };
 use omni_transport::{Inbox, Outbox, TransportChoice};
-use plan::{PlanConfig, Split, WorkerSpec};
+use plan::{ExpertPolicy, PlanConfig, Split, WorkerSpec};
 use scheduler::{Event, Scheduler, SchedulerConfig};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -48,6 +51,18 @@ pub struct CoordinatorConfig {
     /// How many workers to wait for before planning.
     #[arg(long, env = "OMNI_WORKERS", default_value_t = 1)]
     pub workers: usize,
+    /// How many expert workers (omni-cpu-worker) to wait for as well.
+    #[arg(long, env = "OMNI_CPU_WORKERS", default_value_t = 0)]
+    pub cpu_workers: usize,
+    /// Where MoE routed experts run: auto (with their layer while it fits,
+    /// else on the expert workers, layer by layer), device, or cpu (every
+    /// MoE layer's experts on the expert workers).
+    #[arg(long, env = "OMNI_EXPERTS", value_enum, default_value_t = ExpertPolicy::Auto)]
+    pub experts: ExpertPolicy,
+    /// Keep the K most used experts of each offloaded layer on its device
+    /// worker, chosen from the routing statistics gathered while serving.
+    #[arg(long, env = "OMNI_GPU_EXPERTS", default_value_t = 0)]
+    pub gpu_experts: u32,
     /// Give up if not every worker registered within this many seconds.
     #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 120.0)]
     pub register_timeout: f64,
@@ -102,6 +117,7 @@ pub struct Registered {
     pub id: String,
     pub addr: String,
     pub inventory: Inventory,
+    pub kind: WorkerKind,
 }
 
 /// What the services share.
@@ -146,11 +162,16 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     let local = listener.local_addr()?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
     tracing::info!(
-        "coordinator listening on {local}; model {} ({}, {} layers); waiting for {} worker(s)",
+        "coordinator listening on {local}; model {} ({}, {} layers); waiting for {} worker(s){}",
         cfg.model.display(),
         model.hparams.arch.name(),
         model.hparams.n_layer,
-        cfg.workers
+        cfg.workers,
+        if cfg.cpu_workers > 0 {
+            format!(" and {} expert worker(s)", cfg.cpu_workers)
+        } else {
+            String::new()
+        }
     );
 
     let mut inbox = Inbox::new();
@@ -205,28 +226,44 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     // 1. Workers.
     let deadline = Instant::now() + Duration::from_secs_f64(cfg.register_timeout);
     let mut workers: Vec<Registered> = Vec::new();
-    while workers.len() < cfg.workers {
+    let mut expert_workers: Vec<Registered> = Vec::new();
+    while workers.len() < cfg.workers || expert_workers.len() < cfg.cpu_workers {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, reg_rx.recv()).await {
             Ok(Some(w)) => {
+                let (list, want, what) = match w.kind {
+                    WorkerKind::Stage => (&mut workers, cfg.workers, "worker"),
+                    WorkerKind::Experts => (&mut expert_workers, cfg.cpu_workers, "expert worker"),
+                };
+                if list.len() >= want {
+                    tracing::warn!(
+                        "{what} {} at {} registered, but {want} {what}(s) are expected and here; it stays idle",
+                        w.id,
+                        w.addr
+                    );
+                    continue;
+                }
                 tracing::info!(
-                    "worker {} registered from {} ({}, {:.2} GiB free)",
+                    "{what} {} registered from {} ({}, {:.2} GiB free)",
                     w.id,
                     w.addr,
                     w.inventory.device,
                     w.inventory.memory_free as f64 / (1u64 << 30) as f64
                 );
-                workers.push(w);
+                list.push(w);
             }
             _ => {
                 let names: Vec<String> = workers
                     .iter()
+                    .chain(&expert_workers)
                     .map(|w| format!("{} at {}", w.id, w.addr))
                     .collect();
                 anyhow::bail!(
-                    "only {} of {} workers registered within {:.0}s{}",
+                    "only {} of {} workers and {} of {} expert workers registered within {:.0}s{}",
                     workers.len(),
                     cfg.workers,
+                    expert_workers.len(),
+                    cfg.cpu_workers,
                     cfg.register_timeout,
                     if names.is_empty() {
                         String::new()
@@ -239,17 +276,17 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     }
     *shared.registering.lock().unwrap() = false;
     workers.sort_by(|a, b| a.id.cmp(&b.id));
+    expert_workers.sort_by(|a, b| a.id.cmp(&b.id));
 
     // 2. Plan, before anything is loaded.
-    let specs: Vec<WorkerSpec> = workers
-        .iter()
-        .map(|w| WorkerSpec {
-            id: w.id.clone(),
-            device: w.inventory.device.clone(),
-            free_bytes: w.inventory.memory_free,
-            total_bytes: w.inventory.memory_total,
-        })
-        .collect();
+    let spec = |w: &Registered| WorkerSpec {
+        id: w.id.clone(),
+        device: w.inventory.device.clone(),
+        free_bytes: w.inventory.memory_free,
+        total_bytes: w.inventory.memory_total,
+    };
+    let specs: Vec<WorkerSpec> = workers.iter().map(spec).collect();
+    let expert_specs: Vec<WorkerSpec> = expert_workers.iter().map(spec).collect();
     let pcfg = PlanConfig {
         n_ctx: cfg.ctx,
         n_seq: cfg.seqs,
@@ -260,8 +297,11 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             (None, Some(l)) => Some(Split::Layers(l.clone())),
             (None, None) => None,
         },
+        experts: cfg.experts,
+        gpu_experts: cfg.gpu_experts,
     };
-    let plan = plan::plan(&model, &specs, &pcfg).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let plan = plan::plan_with_experts(&model, &specs, &expert_specs, &pcfg)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!("plan:\n{plan}");
     shared.info.lock().unwrap().state = "loading".into();
 
@@ -279,6 +319,8 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_ubatch: cfg.ubatch as u32,
             f16_hidden: cfg.f16_hidden,
             stage: i as u32,
+            offloaded: st.offloaded.clone(),
+            gpu_experts: cfg.gpu_experts,
         };
         let (id, addr) = (w.id.clone(), w.addr.clone());
         loads.push(tokio::spawn(async move {
@@ -292,9 +334,57 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             anyhow::Ok(r.into_inner())
         }));
     }
+    let mut expert_loads = Vec::new();
+    for ep in &plan.experts {
+        let w = expert_workers
+            .iter()
+            .find(|w| w.id == ep.worker)
+            .expect("the plan names registered expert workers");
+        let req = LoadExpertsRequest {
+            model_path: cfg.model.display().to_string(),
+            layers: ep.layers.clone(),
+            n_ubatch: cfg.ubatch as u32,
+        };
+        let (id, addr) = (w.id.clone(), w.addr.clone());
+        expert_loads.push(tokio::spawn(async move {
+            let ch = channel(&addr).await?;
+            let r = ExpertsClient::new(ch).load_experts(req).await.map_err(|s| {
+                anyhow::anyhow!(
+                    "expert worker {id} ({addr}) could not load its experts: {}",
+                    s.message()
+                )
+            })?;
+            anyhow::Ok(r.into_inner())
+        }));
+    }
     let mut replies = Vec::new();
     for l in loads {
         replies.push(l.await??);
+    }
+    let mut expert_info = Vec::new();
+    for (ep, l) in plan.experts.iter().zip(expert_loads) {
+        let r = l.await??;
+        let w = expert_workers
+            .iter()
+            .find(|w| w.id == ep.worker)
+            .expect("the plan names registered expert workers");
+        tracing::info!(
+            "expert worker {} holds the experts of layers {} ({} weights, {} compute; {})",
+            w.id,
+            plan::fmt_layers(&ep.layers),
+            omni_engine::fmt_bytes(r.weight_bytes),
+            omni_engine::fmt_bytes(r.compute_bytes),
+            r.binding
+        );
+        expert_info.push(ExpertWorkerInfo {
+            worker_id: w.id.clone(),
+            worker_addr: w.addr.clone(),
+            device: w.inventory.device.clone(),
+            layers: plan::fmt_layers(&ep.layers),
+            weight_bytes: r.weight_bytes,
+            compute_bytes: r.compute_bytes,
+            binding: r.binding,
+        });
     }
     let results_ep = inbox.endpoint(&advertise, &host_id);
     let transport = match cfg.transport {
@@ -308,16 +398,40 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             Some(r) => r.inbox.clone().unwrap_or_default(),
             None => results_ep.clone(),
         };
+        let mut routes: Vec<ExpertRoute> = Vec::new();
+        for &il in &plan.stages[i].offloaded {
+            let ep = plan
+                .experts
+                .iter()
+                .find(|e| e.layers.contains(&il))
+                .expect("every offloaded layer has an expert worker");
+            match routes.iter_mut().find(|r| r.worker_id == ep.worker) {
+                Some(r) => r.layers.push(il),
+                None => {
+                    let addr = &expert_workers
+                        .iter()
+                        .find(|w| w.id == ep.worker)
+                        .expect("the plan names registered expert workers")
+                        .addr;
+                    routes.push(ExpertRoute {
+                        worker_id: ep.worker.clone(),
+                        grpc_addr: addr.clone(),
+                        layers: vec![il],
+                    });
+                }
+            }
+        }
         let mut c = worker_client(&w.addr).await?;
         let r = c
             .wire(WireRequest {
                 next: Some(next),
                 transport: transport as i32,
+                experts: routes.clone(),
             })
             .await
             .map_err(|s| {
                 anyhow::anyhow!(
-                    "worker {} could not connect to the next stage: {}",
+                    "worker {} could not connect to the next stage or its expert workers: {}",
                     w.id,
                     s.message()
                 )
@@ -343,7 +457,16 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             kv_bytes: lr.kv_bytes,
             compute_bytes: lr.compute_bytes,
             worker_addr: w.addr.clone(),
+            offloaded: plan::fmt_layers(&st.offloaded),
+            expert_transports: r.expert_transports.clone(),
         });
+        for (route, how) in routes.iter().zip(&r.expert_transports) {
+            tracing::info!(
+                "stage {i}: the experts of layers {} run on {} over {how}",
+                plan::fmt_layers(&route.layers),
+                route.worker_id
+            );
+        }
     }
     let first = replies[0].inbox.clone().unwrap_or_default();
     let outbox = Outbox::connect(&first, cfg.transport)
@@ -370,7 +493,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("scheduler".into())
         .spawn(move || sched.run(ev_rx, frames))?;
-    for w in &workers {
+    for w in workers.iter().chain(&expert_workers) {
         tokio::spawn(watch_worker(
             w.clone(),
             Duration::from_secs_f64(cfg.health_interval),
@@ -380,6 +503,8 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     {
         let mut info = shared.info.lock().unwrap();
         info.stages = stages;
+        info.expert_workers = expert_info;
+        info.plan = plan.to_string();
         info.ready = true;
         info.state = "serving".into();
     }
@@ -393,13 +518,16 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn worker_client(addr: &str) -> anyhow::Result<WorkerClient<tonic::transport::Channel>> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+async fn channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await
-        .with_context(|| format!("cannot reach worker at {addr}"))?;
-    Ok(WorkerClient::new(ch))
+        .with_context(|| format!("cannot reach worker at {addr}"))
+}
+
+async fn worker_client(addr: &str) -> anyhow::Result<WorkerClient<tonic::transport::Channel>> {
+    Ok(WorkerClient::new(channel(addr).await?))
 }
 
 /// Checks a worker's gRPC health every `interval`; two failures in a row

@@ -27,11 +27,41 @@ pub struct Metrics {
     ttft: Histogram,
     stage_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
     pub registry: Registry,
-    /// Per-hop latency samples (µs), the most recent `HOP_SAMPLES`.
-    hops: Mutex<VecDeque<f64>>,
+    /// Per-hop latency samples (µs).
+    hops: Samples,
+    /// Per-step time the stages waited for expert workers (ms), for steps
+    /// that called any.
+    expert_waits: Samples,
+    expert_wait_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
 }
 
-const HOP_SAMPLES: usize = 4096;
+/// The most recent `SAMPLES` values of something.
+#[derive(Default)]
+pub struct Samples(Mutex<VecDeque<f64>>);
+
+const SAMPLES: usize = 4096;
+
+impl Samples {
+    pub fn push(&self, x: f64) {
+        let mut h = self.0.lock().unwrap();
+        if h.len() == SAMPLES {
+            h.pop_front();
+        }
+        h.push_back(x);
+    }
+
+    /// (p50, p99, mean, samples); zeros without samples.
+    pub fn summary(&self) -> (f64, f64, f64, usize) {
+        let mut v: Vec<f64> = self.0.lock().unwrap().iter().copied().collect();
+        if v.is_empty() {
+            return (0.0, 0.0, 0.0, 0);
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        let mean = v.iter().sum::<f64>() / v.len() as f64;
+        (at(0.50), at(0.99), mean, v.len())
+    }
+}
 
 fn ms_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.25, 2.0, 18))
@@ -45,6 +75,9 @@ impl Metrics {
             (Gauge::default(), Gauge::default(), Gauge::default());
         let ttft = ms_histogram();
         let stage_ms = Family::<StageLabel, Histogram>::new_with_constructor(
+            ms_histogram as fn() -> Histogram,
+        );
+        let expert_wait_ms = Family::<StageLabel, Histogram>::new_with_constructor(
             ms_histogram as fn() -> Histogram,
         );
         let mut r = Registry::with_prefix("omni_coordinator");
@@ -80,6 +113,11 @@ impl Metrics {
             "Compute time of one step on each stage, milliseconds",
             stage_ms.clone(),
         );
+        r.register(
+            "stage_expert_wait_ms",
+            "Time one step of each stage waited for expert workers, milliseconds",
+            expert_wait_ms.clone(),
+        );
         Metrics {
             steps,
             tokens_in,
@@ -90,7 +128,9 @@ impl Metrics {
             ttft,
             stage_ms,
             registry: r,
-            hops: Mutex::new(VecDeque::with_capacity(HOP_SAMPLES)),
+            hops: Samples::default(),
+            expert_waits: Samples::default(),
+            expert_wait_ms,
         }
     }
 
@@ -102,22 +142,31 @@ impl Metrics {
 
     /// One step's time outside compute, spread over its hops.
     pub fn record_hop(&self, us: f64) {
-        let mut h = self.hops.lock().unwrap();
-        if h.len() == HOP_SAMPLES {
-            h.pop_front();
-        }
-        h.push_back(us);
+        self.hops.push(us);
     }
 
     /// (p50, p99, samples) of the per-hop latency in µs.
     pub fn hop_percentiles(&self) -> (f64, f64, usize) {
-        let mut v: Vec<f64> = self.hops.lock().unwrap().iter().copied().collect();
-        if v.is_empty() {
-            return (0.0, 0.0, 0);
-        }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-        (at(0.50), at(0.99), v.len())
+        let (p50, p99, _, n) = self.hops.summary();
+        (p50, p99, n)
+    }
+
+    /// How long one stage's step waited for expert workers.
+    pub fn record_expert_wait(&self, stage: u32, ms: f64) {
+        self.expert_wait_ms
+            .get_or_create(&StageLabel { stage })
+            .observe(ms);
+    }
+
+    /// One step's total wait for expert workers, over all stages.
+    pub fn record_step_expert_wait(&self, ms: f64) {
+        self.expert_waits.push(ms);
+    }
+
+    /// (p50, mean, samples) of the per-step expert wait in ms.
+    pub fn expert_wait(&self) -> (f64, f64, usize) {
+        let (p50, _, mean, n) = self.expert_waits.summary();
+        (p50, mean, n)
     }
 
     pub fn record_ttft(&self, ms: f64) {

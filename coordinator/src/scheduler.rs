@@ -391,9 +391,18 @@ impl Scheduler {
             return;
         }
         let mut compute_us = 0.0;
+        let mut expert_wait_ms = None;
         for t in &step.times {
             self.metrics.record_stage(t.stage, t.compute_ms as f64);
             compute_us += t.compute_ms as f64 * 1e3;
+            if t.expert_wait_ms > 0.0 {
+                self.metrics
+                    .record_expert_wait(t.stage, t.expert_wait_ms as f64);
+                *expert_wait_ms.get_or_insert(0.0) += t.expert_wait_ms as f64;
+            }
+        }
+        if let Some(ms) = expert_wait_ms {
+            self.metrics.record_step_expert_wait(ms);
         }
         if !step.times.is_empty() {
             let rtt_us = inflight.sent.elapsed().as_secs_f64() * 1e6;

@@ -9,7 +9,7 @@ use omni_engine::chat::ChatMessage;
 use omni_engine::sampling::SamplingParams;
 use omni_proto::coordinator::v1::{
     generate_request::Prompt, inference_server, registry_server, GenerateEvent, GenerateRequest,
-    InfoReply, InfoRequest, RegisterReply, RegisterRequest,
+    InfoReply, InfoRequest, RegisterReply, RegisterRequest, WorkerKind,
 };
 use omni_proto::worker::v1::Sampling;
 use std::sync::atomic::Ordering;
@@ -32,13 +32,19 @@ impl registry_server::Registry for RegistrySvc {
                 "a registration needs worker_id and grpc_addr",
             ));
         }
+        let kind = WorkerKind::try_from(r.kind).map_err(|_| {
+            Status::invalid_argument(format!(
+                "worker {} registered as kind {}, which this coordinator does not know",
+                r.worker_id, r.kind
+            ))
+        })?;
         let inventory = r
             .inventory
             .ok_or_else(|| Status::invalid_argument("a registration needs the inventory"))?;
         if !*self.0.registering.lock().unwrap() {
             return Err(Status::failed_precondition(format!(
-                "worker {} registered after the plan was made; this coordinator expects {} worker(s)",
-                r.worker_id, self.0.cfg.workers
+                "worker {} registered after the plan was made; this coordinator expects {} worker(s) and {} expert worker(s)",
+                r.worker_id, self.0.cfg.workers, self.0.cfg.cpu_workers
             )));
         }
         self.0
@@ -47,6 +53,7 @@ impl registry_server::Registry for RegistrySvc {
                 id: r.worker_id,
                 addr: r.grpc_addr,
                 inventory,
+                kind,
             })
             .map_err(|_| Status::unavailable("the coordinator is shutting down"))?;
         Ok(Response::new(RegisterReply {
@@ -201,6 +208,10 @@ impl inference_server::Inference for InferenceSvc {
         info.hop_us_p50 = p50;
         info.hop_us_p99 = p99;
         info.hop_samples = n as u64;
+        let (p50, mean, n) = self.0.metrics.expert_wait();
+        info.expert_wait_ms_p50 = p50;
+        info.expert_wait_ms_mean = mean;
+        info.expert_wait_samples = n as u64;
         Ok(Response::new(info))
     }
 }

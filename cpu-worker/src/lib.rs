@@ -1,5 +1,9 @@
-//! cpu-worker: executes MoE routed experts on one NUMA node. So far: NUMA
-//! placement (`numa`); the expert service arrives with the rest of the MoE
-//! issue.
+//! omni's expert worker: runs the routed experts of MoE layers whose
+//! experts do not fit on a device, on the cores and memory of one NUMA node.
+//!
+//! `numa` binds the process to its node (before any thread starts);
+//! `service` registers with the coordinator as an expert worker and serves
+//! `omni.worker.v1.Experts`.
 
 pub mod numa;
+pub mod service;

@@ -5,7 +5,8 @@
 use crossbeam_channel::Receiver;
 use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplingParams};
 use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
-use omni_proto::worker::v1::{Sampled, StageTime, Step, TopLogprob};
+use omni_proto::worker::v1::{ExpertUse, Sampled, StageTime, Step, TopLogprob};
+use crate::experts::RemoteExperts;
 use omni_transport::{Frame, Outbox};
 use prost::Message;
 use std::collections::HashMap;
@@ -23,6 +24,24 @@ pub struct ExecStats {
     pub total_step_us: AtomicU64,
     pub kv_cells_used: AtomicU64,
     pub errors: AtomicU64,
+    /// Time steps spent waiting for expert workers, in microseconds.
+    pub expert_wait_us: AtomicU64,
+    /// Offloaded layers' routing statistics and device experts, as of the
+    /// last refresh (every `ExpertPolicy::every` steps).
+    pub experts: Mutex<Vec<ExpertUse>>,
+    /// Bytes of the experts kept on this device (`--gpu-experts`).
+    pub device_expert_bytes: AtomicU64,
+    /// Times the set of device experts changed.
+    pub expert_moves: AtomicU64,
+}
+
+/// How the stage picks the experts it keeps of its offloaded layers.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceExperts {
+    /// Keep this many of each offloaded layer's most used experts (0: none).
+    pub k: usize,
+    /// Re-read the routing statistics every this many steps.
+    pub every: u64,
 }
 
 /// The sampling state of one sequence on the last stage.
@@ -46,6 +65,8 @@ impl Exec {
         hidden_dtype: HiddenDtype,
         inbox: Receiver<Frame>,
         outbox: Arc<Mutex<Option<Outbox>>>,
+        experts: Arc<Mutex<Option<RemoteExperts>>>,
+        device_experts: DeviceExperts,
         stats: Arc<ExecStats>,
     ) -> Exec {
         let stop = Arc::new(AtomicBool::new(false));
@@ -59,6 +80,8 @@ impl Exec {
                     index: stage_index,
                     dtype: hidden_dtype,
                     samplers: HashMap::new(),
+                    experts,
+                    device_experts,
                     stats,
                 };
                 while !s.load(Ordering::Relaxed) {
@@ -110,10 +133,67 @@ struct StageRun {
     index: u32,
     dtype: HiddenDtype,
     samplers: HashMap<u32, SeqSampler>,
+    experts: Arc<Mutex<Option<RemoteExperts>>>,
+    device_experts: DeviceExperts,
     stats: Arc<ExecStats>,
 }
 
 impl StageRun {
+    /// Every `every` steps: keep the `k` most used experts of each
+    /// offloaded layer here (only once the layer has statistics), and
+    /// publish the statistics for Status and metrics. Runs between steps,
+    /// so a step never sees a half-changed set.
+    fn refresh_experts(&mut self) {
+        let steps = self.stats.steps.load(Ordering::Relaxed);
+        if self.stage.offloaded_layers().is_empty() || steps % self.device_experts.every.max(1) != 0 {
+            return;
+        }
+        let k = self.device_experts.k;
+        if k > 0 {
+            let layers: Vec<u32> = self.stage.offloaded_layers().to_vec();
+            for il in layers {
+                let seen = self
+                    .stage
+                    .expert_counts()
+                    .get(&il)
+                    .is_some_and(|c| c.iter().any(|&n| n > 0));
+                if !seen {
+                    continue;
+                }
+                let hot = self.stage.hot_experts(il, k);
+                if hot.as_slice() != self.stage.device_experts(il) {
+                    match self.stage.set_device_experts(il, &hot) {
+                        Ok(()) => {
+                            self.stats.expert_moves.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(
+                                "stage {}: layer {il} keeps experts {hot:?} here (the {k} most used)",
+                                self.index
+                            );
+                        }
+                        Err(e) => tracing::warn!(
+                            "stage {}: cannot keep layer {il}'s experts {hot:?} here: {e}",
+                            self.index
+                        ),
+                    }
+                }
+            }
+            self.stats
+                .device_expert_bytes
+                .store(self.stage.device_expert_bytes(), Ordering::Relaxed);
+        }
+        let uses = self
+            .stage
+            .expert_counts()
+            .iter()
+            .map(|(&layer, counts)| ExpertUse {
+                layer,
+                counts: counts.clone(),
+                on_device: self.stage.device_experts(layer).to_vec(),
+            })
+            .collect();
+        *self.stats.experts.lock().unwrap() = uses;
+    }
+
     /// Runs one frame and returns the frame to send on. Errors travel in the
     /// step header so the coordinator learns of them; nothing is dropped.
     fn frame(&mut self, frame: Frame) -> Frame {
@@ -208,10 +288,22 @@ impl StageRun {
             Some(Hidden::from_bytes(payload).map_err(|e| e.to_string())?)
         };
         let t = Instant::now();
-        let out = self
-            .stage
-            .forward(&batch, input.as_ref())
-            .map_err(|e| e.to_string())?;
+        let mut waited = Duration::ZERO;
+        let out = if self.stage.offloaded_layers().is_empty() {
+            self.stage.forward(&batch, input.as_ref())
+        } else {
+            let mut guard = self.experts.lock().unwrap();
+            let experts = guard.as_mut().ok_or_else(|| {
+                format!(
+                    "the experts of layers {:?} run on an expert worker, but none was wired",
+                    self.stage.offloaded_layers()
+                )
+            })?;
+            let r = self.stage.forward_with(&batch, input.as_ref(), experts);
+            waited = experts.take_waited();
+            r
+        }
+        .map_err(|e| e.to_string())?;
         // Sampling is part of the last stage's compute time.
         let payload = match out {
             StageOutput::Hidden(h) => h.to_bytes(self.dtype),
@@ -224,8 +316,13 @@ impl StageRun {
         step.times.push(StageTime {
             stage: self.index,
             compute_ms: us as f32 / 1e3,
+            expert_wait_ms: waited.as_secs_f32() * 1e3,
         });
+        self.stats
+            .expert_wait_us
+            .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.refresh_experts();
         self.stats.tokens.fetch_add(n as u64, Ordering::Relaxed);
         self.stats.last_step_us.store(us, Ordering::Relaxed);
         self.stats.total_step_us.fetch_add(us, Ordering::Relaxed);

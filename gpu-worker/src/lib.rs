@@ -7,19 +7,21 @@
 //! the next stage; the last stage samples and sends only tokens back.
 
 pub mod exec;
+pub mod experts;
 pub mod inventory;
 
-use anyhow::Context;
 use exec::{Exec, ExecStats};
 use omni_engine::model::ModelFile;
 use omni_engine::stage::{HiddenDtype, LayerRange, Stage, StageConfig};
 use omni_engine::KvConfig;
-use omni_proto::coordinator::v1::{registry_client::RegistryClient, RegisterRequest};
+use omni_proto::coordinator::v1::WorkerKind;
+use omni_transport::registry::{listen, register};
 use omni_proto::worker::v1::{
     worker_server, Endpoint, Inventory, LoadReply, LoadRequest, StatusReply, StatusRequest,
     Transport, WireReply, WireRequest,
 };
-use omni_transport::{Inbox, Outbox, TransportChoice};
+use experts::RemoteExperts;
+use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -60,6 +62,14 @@ pub struct WorkerConfig {
     /// Give up if the coordinator cannot be reached for this long (seconds).
     #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
     pub register_timeout: f64,
+    /// Fail a step when an expert worker has not answered for this many
+    /// seconds (one that dies is noticed at once).
+    #[arg(long, env = "OMNI_EXPERT_TIMEOUT", default_value_t = 60.0)]
+    pub expert_timeout: f64,
+    /// With --gpu-experts (set by the coordinator), re-read the routing
+    /// statistics and move the most used experts here every this many steps.
+    #[arg(long, env = "OMNI_EXPERT_RESELECT_STEPS", default_value_t = 32)]
+    pub expert_reselect_steps: u64,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
@@ -81,6 +91,8 @@ struct State {
     exec: Option<Exec>,
     range: Option<LayerRange>,
     kv_cells: u64,
+    /// Bytes of one expert link's ring (sized from the loaded model).
+    expert_ring: usize,
 }
 
 struct Worker {
@@ -90,6 +102,7 @@ struct Worker {
     inventory: Inventory,
     inbox: Mutex<Inbox>,
     outbox: Arc<Mutex<Option<Outbox>>>,
+    experts: Arc<Mutex<Option<RemoteExperts>>>,
     stats: Arc<ExecStats>,
     state: Mutex<State>,
 }
@@ -101,20 +114,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     for g in inventory::gpus() {
         tracing::info!("visible GPU: {g}");
     }
-    let listener = tokio::net::TcpListener::bind(&cfg.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
-    let local = listener.local_addr()?;
-    // Registering would reach this worker's own server (a port picked for
-    // the coordinator and taken by this worker's port 0 meanwhile).
-    if let Ok(addrs) = tokio::net::lookup_host(&cfg.coordinator).await {
-        if addrs.into_iter().any(|a| a == local) {
-            anyhow::bail!(
-                "the coordinator address {} is this worker's own listening address; is the coordinator running there?",
-                cfg.coordinator
-            );
-        }
-    }
+    let (listener, local) = listen(&cfg.listen, &cfg.coordinator).await?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
     tracing::info!(
         "worker {id} listening on {local} (device {}, {:.2} GiB free of {:.2}, {} cores, {} NUMA nodes)",
@@ -133,11 +133,13 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         inventory: inventory.clone(),
         inbox: Mutex::new(inbox),
         outbox: Arc::new(Mutex::new(None)),
+        experts: Arc::new(Mutex::new(None)),
         stats: Arc::default(),
         state: Mutex::new(State {
             exec: None,
             range: None,
             kv_cells: 0,
+            expert_ring: 0,
         }),
     });
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -155,63 +157,21 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         let w = worker.clone();
         omni_transport::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
     }
-    register(&cfg, &id, &advertise, inventory).await?;
+    register(
+        &cfg.coordinator,
+        cfg.register_timeout,
+        &id,
+        &advertise,
+        inventory,
+        WorkerKind::Stage,
+    )
+    .await?;
     server.await??;
     tracing::info!("worker {id} stopped");
     Ok(())
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// Registers with the coordinator, retrying until `register_timeout`.
-async fn register(
-    cfg: &WorkerConfig,
-    id: &str,
-    advertise: &str,
-    inventory: Inventory,
-) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs_f64(cfg.register_timeout);
-    let url = format!("http://{}", cfg.coordinator);
-    let mut last_err = String::new();
-    while Instant::now() < deadline {
-        match RegistryClient::connect(url.clone()).await {
-            Ok(mut c) => {
-                let req = RegisterRequest {
-                    worker_id: id.to_string(),
-                    grpc_addr: advertise.to_string(),
-                    inventory: Some(inventory.clone()),
-                };
-                match c.register(req).await {
-                    Ok(r) => {
-                        tracing::info!(
-                            "registered with the coordinator at {} (model {})",
-                            cfg.coordinator,
-                            r.into_inner().model_path
-                        );
-                        return Ok(());
-                    }
-                    // The coordinator answered and said no: retrying won't help.
-                    Err(s) if s.code() != tonic::Code::Unavailable => {
-                        anyhow::bail!(
-                            "the coordinator at {} refused worker {id}: {} ({:?})",
-                            cfg.coordinator,
-                            s.message(),
-                            s.code()
-                        )
-                    }
-                    Err(s) => last_err = s.message().to_string(),
-                }
-            }
-            Err(e) => last_err = e.to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    anyhow::bail!(
-        "could not register with the coordinator at {} within {:.0}s: {last_err}",
-        cfg.coordinator,
-        cfg.register_timeout
-    )
-}
 
 struct Svc(Arc<Worker>);
 
@@ -241,14 +201,57 @@ impl worker_server::Worker for Svc {
             .map_err(|e| Status::unavailable(format!("worker {}: {e}", self.0.id)))?;
         let kind = outbox.kind();
         tracing::info!("output goes to {} over {kind}", next.grpc_addr);
+        let ring = self.0.state.lock().unwrap().expert_ring;
+        let mut routes = Vec::new();
+        let mut expert_transports = Vec::new();
+        for r in req.experts {
+            let link = ExpertLink::connect(
+                &r.worker_id,
+                &r.grpc_addr,
+                choice,
+                &self.0.cfg.shm_dir,
+                &self.0.id,
+                ring,
+            )
+            .await
+            .map_err(|e| Status::unavailable(format!("worker {}: {e}", self.0.id)))?;
+            tracing::info!(
+                "the experts of layers {:?} run on {} ({}) over {}",
+                r.layers,
+                r.worker_id,
+                r.grpc_addr,
+                link.kind()
+            );
+            expert_transports.push(link.kind().to_string());
+            routes.push(experts::Route {
+                worker: r.worker_id,
+                layers: r.layers,
+                link,
+            });
+        }
+        *self.0.experts.lock().unwrap() = (!routes.is_empty()).then(|| {
+            RemoteExperts::new(
+                routes,
+                Duration::from_secs_f64(self.0.cfg.expert_timeout),
+            )
+        });
         *self.0.outbox.lock().unwrap() = Some(outbox);
         Ok(Response::new(WireReply {
             transport: kind.to_string(),
+            expert_transports,
         }))
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
         let w = &self.0;
+        let link_stats = |f: fn(&omni_transport::LinkStats) -> &std::sync::atomic::AtomicU64| {
+            w.experts.lock().unwrap().as_ref().map_or(0, |x| {
+                x.routes()
+                    .iter()
+                    .map(|r| f(&r.link.stats).load(Ordering::Relaxed))
+                    .sum()
+            })
+        };
         let st = w.state.lock().unwrap();
         Ok(Response::new(StatusReply {
             worker_id: w.id.clone(),
@@ -258,6 +261,12 @@ impl worker_server::Worker for Svc {
             kv_cells_total: st.kv_cells,
             steps: w.stats.steps.load(Ordering::Relaxed),
             last_step_ms: w.stats.last_step_us.load(Ordering::Relaxed) as f64 / 1e3,
+            experts: w.stats.experts.lock().unwrap().clone(),
+            bytes_received: w.inbox.lock().unwrap().stats.bytes_received.load(Ordering::Relaxed),
+            expert_bytes_sent: link_stats(|s| &s.bytes_sent),
+            expert_bytes_received: link_stats(|s| &s.bytes_received),
+            expert_calls: link_stats(|s| &s.frames_sent),
+            tokens: w.stats.tokens.load(Ordering::Relaxed),
         }))
     }
 }
@@ -310,6 +319,55 @@ impl Worker {
             "Frames received",
             ConstCounter::new(get(&inbox.frames_received)),
         );
+        r.register(
+            "device_expert_bytes",
+            "Bytes of offloaded layers' experts kept on this device (--gpu-experts)",
+            ConstGauge::new(get(&s.device_expert_bytes) as i64),
+        );
+        r.register(
+            "device_expert_moves",
+            "Times an offloaded layer's device experts changed",
+            ConstCounter::new(get(&s.expert_moves)),
+        );
+        for u in s.experts.lock().unwrap().iter() {
+            let sub = r.sub_registry_with_label(("layer".into(), u.layer.to_string().into()));
+            sub.register(
+                "device_experts",
+                "Experts of an offloaded layer computed on this device",
+                ConstGauge::new(u.on_device.len() as i64),
+            );
+            sub.register(
+                "routed_tokens",
+                "Expert selections seen in an offloaded layer",
+                ConstCounter::new(u.counts.iter().sum::<u64>()),
+            );
+        }
+        r.register(
+            "expert_wait_seconds",
+            "Time steps spent waiting for expert workers",
+            ConstCounter::new(get(&s.expert_wait_us) as f64 / 1e6),
+        );
+        if let Some(x) = self.experts.lock().unwrap().as_ref() {
+            for route in x.routes() {
+                let sub = r.sub_registry_with_label(("expert_worker".into(), route.worker.clone().into()));
+                let st = &route.link.stats;
+                sub.register(
+                    "expert_bytes_sent",
+                    "Bytes sent to an expert worker",
+                    ConstCounter::new(get(&st.bytes_sent)),
+                );
+                sub.register(
+                    "expert_bytes_received",
+                    "Bytes received from an expert worker",
+                    ConstCounter::new(get(&st.bytes_received)),
+                );
+                sub.register(
+                    "expert_calls",
+                    "Calls to an expert worker",
+                    ConstCounter::new(get(&st.frames_sent)),
+                );
+            }
+        }
         if let Some(o) = self.outbox.lock().unwrap().as_ref() {
             let sub = r.sub_registry_with_label(("transport".into(), o.kind().into()));
             sub.register(
@@ -353,8 +411,19 @@ impl Worker {
             repack: true,
         };
         let n_embd = model.hparams.n_embd as usize;
-        let stage = Stage::load(model, range.clone(), cfg.clone())
+        let n_used = model
+            .hparams
+            .moe
+            .as_ref()
+            .map_or(1, |m| m.n_expert_used as usize);
+        let stage = Stage::load_offloaded(model, range.clone(), cfg.clone(), &req.offloaded)
             .map_err(|e| Status::failed_precondition(format!("worker {}: {e}", self.id)))?;
+        if !req.offloaded.is_empty() {
+            tracing::info!(
+                "the routed experts of layers {:?} are left to expert workers",
+                req.offloaded
+            );
+        }
         let hp = &stage.model().hparams;
         let reply_bytes = (
             stage.weights().mapped_bytes + stage.weights().repacked_bytes,
@@ -380,12 +449,18 @@ impl Worker {
             dtype,
             inbox.receiver().clone(),
             self.outbox.clone(),
+            self.experts.clone(),
+            exec::DeviceExperts {
+                k: req.gpu_experts as usize,
+                every: self.cfg.expert_reselect_steps,
+            },
             self.stats.clone(),
         );
         let mut st = self.state.lock().unwrap();
         st.exec = Some(exec);
         st.range = Some(range.clone());
         st.kv_cells = cfg.kv.n_cells() as u64;
+        st.expert_ring = omni_transport::experts::ring_bytes(cfg.n_ubatch, n_embd, n_used);
         let secs = t.elapsed().as_secs_f64();
         tracing::info!("loaded {range} in {secs:.2}s");
         Ok(LoadReply {

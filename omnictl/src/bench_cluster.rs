@@ -38,6 +38,27 @@ struct Row {
     tok_s: f64,
     hop_p50: Option<f64>,
     hop_p99: Option<f64>,
+    /// Pipeline frames and expert calls, bytes per token processed.
+    pipeline_b_tok: Option<f64>,
+    expert_b_tok: Option<f64>,
+    /// Per step, summed over stages (mean, ms).
+    expert_wait_ms: Option<f64>,
+}
+
+/// (pipeline bytes, expert bytes, tokens of stage 0) from every stage's Status.
+async fn traffic(info: &omni_proto::coordinator::v1::InfoReply) -> anyhow::Result<(u64, u64, u64)> {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    let (mut pipe, mut experts, mut tokens) = (0, 0, 0);
+    for (i, s) in info.stages.iter().enumerate() {
+        let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr)).await?;
+        let st = w.status(StatusRequest {}).await?.into_inner();
+        pipe += st.bytes_received;
+        experts += st.expert_bytes_sent + st.expert_bytes_received;
+        if i == 0 {
+            tokens = st.tokens;
+        }
+    }
+    Ok((pipe, experts, tokens))
 }
 
 pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
@@ -68,13 +89,23 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
         tok_s: median(&mut ref_runs),
         hop_p50: None,
         hop_p99: None,
+        pipeline_b_tok: None,
+        expert_b_tok: None,
+        expert_wait_ms: None,
     });
 
-    for (name, stages, transport) in [
-        ("1 stage", 1usize, "shm"),
-        ("2 stages, shm", 2, "shm"),
-        ("2 stages, grpc", 2, "grpc"),
-    ] {
+    // MoE models also run with every routed expert on an expert worker.
+    let moe = omni_engine::ModelFile::open(&path)?.hparams.moe.is_some();
+    let mut configs = vec![
+        ("1 stage", 1usize, "shm", 0usize),
+        ("2 stages, shm", 2, "shm", 0),
+        ("2 stages, grpc", 2, "grpc", 0),
+    ];
+    if moe {
+        configs.push(("2 stages + experts, shm", 2, "shm", 1));
+        configs.push(("2 stages + experts, grpc", 2, "grpc", 1));
+    }
+    for (name, stages, transport, cpu_workers) in configs {
         let listen = format!("127.0.0.1:{}", free_port()?);
         let up = UpArgs {
             model: a.model.clone(),
@@ -92,6 +123,11 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             api_key: None,
             otlp_endpoint: None,
             register_timeout: 60.0,
+            cpu_workers,
+            numa: false,
+            experts: (cpu_workers > 0).then(|| "cpu".into()),
+            gpu_experts: None,
+            cpu_memory: None,
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
         let result = (|| {
@@ -100,18 +136,28 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
                 .enable_all()
                 .build()?;
             let mut runs = Vec::new();
+            let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
+            let mut before = (0, 0, 0);
             for i in 0..=a.runs {
+                if i == 1 {
+                    before = rt.block_on(traffic(&info))?;
+                }
                 let r = rt.block_on(decode_rate(&listen, &prompt, a.tg))?;
                 if i > 0 {
                     runs.push(r);
                 }
             }
+            let after = rt.block_on(traffic(&info))?;
+            let tokens = (after.2 - before.2).max(1) as f64;
             let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
             anyhow::Ok(Row {
                 name,
                 tok_s: median(&mut runs),
                 hop_p50: Some(info.hop_us_p50),
                 hop_p99: Some(info.hop_us_p99),
+                pipeline_b_tok: Some((after.0 - before.0) as f64 / tokens),
+                expert_b_tok: Some((after.1 - before.1) as f64 / tokens),
+                expert_wait_ms: (info.expert_wait_samples > 0).then_some(info.expert_wait_ms_mean),
             })
         })();
         cluster.stop();
@@ -133,6 +179,9 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
                     "config": r.name, "decode_tok_s": r.tok_s,
                     "vs_llama_cpp": r.tok_s / reference, "vs_one_stage": r.tok_s / one_stage,
                     "hop_us_p50": r.hop_p50, "hop_us_p99": r.hop_p99,
+                    "pipeline_bytes_per_token": r.pipeline_b_tok,
+                    "expert_bytes_per_token": r.expert_b_tok,
+                    "expert_wait_ms_per_step": r.expert_wait_ms,
                 })
             })
             .collect();
@@ -152,19 +201,31 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
         a.runs
     );
     println!(
-        "{:<24} {:>10} {:>10} {:>10} {:>12} {:>12}",
-        "config", "tok/s", "vs llama", "vs 1 stage", "hop p50 µs", "hop p99 µs"
+        "{:<26} {:>9} {:>9} {:>10} {:>11} {:>11} {:>10} {:>10} {:>12}",
+        "config",
+        "tok/s",
+        "vs llama",
+        "vs 1 stage",
+        "hop p50 µs",
+        "hop p99 µs",
+        "pipe B/tok",
+        "exp B/tok",
+        "exp wait/step"
     );
     for r in &rows {
-        let hop = |h: Option<f64>| h.map_or("-".to_string(), |v| format!("{v:.1}"));
+        let opt = |h: Option<f64>, p: usize| h.map_or("-".to_string(), |v| format!("{v:.p$}"));
         println!(
-            "{:<24} {:>10.1} {:>9.2}x {:>9.2}x {:>12} {:>12}",
+            "{:<26} {:>9.1} {:>8.2}x {:>9.2}x {:>11} {:>11} {:>10} {:>10} {:>12}",
             r.name,
             r.tok_s,
             r.tok_s / reference,
             r.tok_s / one_stage,
-            hop(r.hop_p50),
-            hop(r.hop_p99)
+            opt(r.hop_p50, 1),
+            opt(r.hop_p99, 1),
+            opt(r.pipeline_b_tok, 0),
+            opt(r.expert_b_tok, 0),
+            r.expert_wait_ms
+                .map_or("-".to_string(), |v| format!("{v:.3} ms"))
         );
     }
     println!(

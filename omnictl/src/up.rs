@@ -60,6 +60,22 @@ pub struct UpArgs {
     /// Extra seconds the workers may take to register.
     #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
+    /// Also start this many expert workers (omni-cpu-worker) for MoE
+    /// models' routed experts, c0, c1, ...
+    #[arg(long, default_value_t = 0)]
+    pub cpu_workers: usize,
+    /// Bind expert worker i to NUMA node i.
+    #[arg(long)]
+    pub numa: bool,
+    /// Where routed experts run: auto, device or cpu (see omni-coordinator --help).
+    #[arg(long)]
+    pub experts: Option<String>,
+    /// Keep the K most used experts of each offloaded layer on its device worker.
+    #[arg(long)]
+    pub gpu_experts: Option<u32>,
+    /// Memory each expert worker offers, e.g. 64GiB (default: what the machine has free).
+    #[arg(long)]
+    pub cpu_memory: Option<String>,
 }
 
 /// Locates a sibling binary (the build puts all of omni's in one directory).
@@ -106,6 +122,7 @@ impl LocalCluster {
             .arg(model)
             .args(["--listen", &a.listen])
             .args(["--workers", &a.stages.to_string()])
+            .args(["--cpu-workers", &a.cpu_workers.to_string()])
             .args(["--ctx", &a.ctx.to_string()])
             .args(["--seqs", &a.seqs.to_string()])
             .args(["--transport", &a.transport])
@@ -118,6 +135,12 @@ impl LocalCluster {
         }
         if let Some(m) = &a.metrics {
             c.args(["--metrics-listen", m]);
+        }
+        if let Some(e) = &a.experts {
+            c.args(["--experts", e]);
+        }
+        if let Some(k) = a.gpu_experts {
+            c.args(["--gpu-experts", &k.to_string()]);
         }
         let traced = |cmd: &mut Command| {
             if let Some(e) = &a.otlp_endpoint {
@@ -152,6 +175,28 @@ impl LocalCluster {
                 .args(["--threads", &threads.to_string()])
                 .args(["--register-timeout", &a.register_timeout.to_string()]);
             if let Some(m) = &a.memory {
+                w.args(["--memory", m]);
+            }
+            traced(&mut w);
+            cluster
+                .children
+                .push((name.clone(), spawn_logged(&name, w, quiet)?));
+        }
+        for i in 0..a.cpu_workers {
+            let name = format!("c{i}");
+            let mut w = Command::new(sibling_binary("omni-cpu-worker")?);
+            if std::env::var_os("GOMP_SPINCOUNT").is_none() {
+                w.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
+            }
+            w.args(["--coordinator", &a.listen])
+                .args(["--id", &name])
+                .args(["--register-timeout", &a.register_timeout.to_string()]);
+            if a.numa {
+                w.args(["--numa-node", &i.to_string()]);
+            } else {
+                w.args(["--threads", &threads.to_string()]);
+            }
+            if let Some(m) = &a.cpu_memory {
                 w.args(["--memory", m]);
             }
             traced(&mut w);

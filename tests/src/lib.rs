@@ -114,6 +114,10 @@ pub struct ClusterSpec {
     pub worker_args: Vec<Vec<String>>,
     /// Workers actually started (defaults to `stages`).
     pub start_workers: Option<usize>,
+    /// Expert workers (`omni-cpu-worker`), named c0, c1, ...
+    pub cpu_workers: usize,
+    /// Extra flags per expert worker.
+    pub cpu_worker_args: Vec<Vec<String>>,
 }
 
 impl ClusterSpec {
@@ -127,6 +131,8 @@ impl ClusterSpec {
             coordinator_args: Vec::new(),
             worker_args: Vec::new(),
             start_workers: None,
+            cpu_workers: 0,
+            cpu_worker_args: Vec::new(),
         }
     }
 }
@@ -136,6 +142,7 @@ pub struct Cluster {
     pub addr: String,
     pub coordinator: Proc,
     pub workers: Vec<Proc>,
+    pub cpu_workers: Vec<Proc>,
     pub rt: tokio::runtime::Runtime,
     _dir: tempfile::TempDir,
 }
@@ -150,6 +157,7 @@ impl Cluster {
             .arg(model)
             .args(["--listen", &addr])
             .args(["--workers", &spec.stages.to_string()])
+            .args(["--cpu-workers", &spec.cpu_workers.to_string()])
             .args(["--transport", spec.transport])
             .args(["--ctx", &spec.ctx.to_string()])
             .args(["--seqs", &spec.seqs.to_string()])
@@ -179,6 +187,18 @@ impl Cluster {
                 .env("OMNI_LOG", "info");
             workers.push(Proc::spawn(&format!("w{i}"), w, dir.path()));
         }
+        let mut cpu_workers = Vec::new();
+        for i in 0..spec.cpu_workers {
+            let mut w = Command::new(target_bin("omni-cpu-worker"));
+            w.args(["--coordinator", &addr])
+                .args(["--id", &format!("c{i}")])
+                .args(["--threads", &spec.threads.to_string()])
+                .args(["--register-timeout", "30"])
+                .args(spec.cpu_worker_args.get(i).cloned().unwrap_or_default())
+                .env("GOMP_SPINCOUNT", "10000")
+                .env("OMNI_LOG", "info");
+            cpu_workers.push(Proc::spawn(&format!("c{i}"), w, dir.path()));
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -187,6 +207,7 @@ impl Cluster {
             addr,
             coordinator,
             workers,
+            cpu_workers,
             rt,
             _dir: dir,
         }
@@ -264,7 +285,10 @@ impl Cluster {
     /// Every process's log, for failure messages.
     pub fn logs(&self) -> String {
         let mut s = String::new();
-        for p in std::iter::once(&self.coordinator).chain(&self.workers) {
+        for p in std::iter::once(&self.coordinator)
+            .chain(&self.workers)
+            .chain(&self.cpu_workers)
+        {
             s.push_str(&format!("----- {} -----\n{}\n", p.name, p.log_text()));
         }
         s

@@ -2,8 +2,11 @@
 //! omni process to the next: a shared-memory ring when both ends share a host,
 //! a gRPC stream otherwise.
 
+pub mod experts;
 pub mod link;
 pub mod metrics;
+pub mod registry;
 pub mod shm;
 
+pub use experts::{ExpertLink, ExpertLinkError};
 pub use link::{host_id, Frame, Inbox, LinkError, LinkStats, Outbox, TransportChoice};

@@ -1,0 +1,497 @@
+//! The expert worker's service: it registers with the coordinator as an
+//! expert worker, loads the routed experts of the layers it is given
+//! (`Experts.LoadExperts`, memory-mapped; pages land on the bound node) and
+//! computes them for the stages that offloaded them, over shared memory
+//! (`Experts.OpenShm`) or gRPC (`Experts.Compute`).
+//!
+//! One compute thread owns the [`ExpertStage`] (and through it ggml's
+//! threads, pinned with the process); sessions hand it jobs and send its
+//! answers back, so calls from several stages are computed one at a time,
+//! each with every core of the node.
+
+use crate::numa::Binding;
+use omni_engine::{ExpertConfig, ExpertStage, ModelFile};
+use omni_proto::coordinator::v1::WorkerKind;
+use omni_proto::worker::v1::{
+    experts_server, Frame, Inventory, LoadExpertsReply, LoadExpertsRequest, OpenShmReply, OpenShmRequest,
+};
+use omni_transport::experts::{accept_shm, decode_request, encode_reply, ring_bytes};
+use omni_transport::shm::ShmError;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Settings of one expert worker (flags, or `OMNI_CPU_WORKER_*` variables).
+#[derive(Clone, Debug, clap::Args)]
+pub struct CpuWorkerConfig {
+    /// The coordinator's gRPC address (host:port).
+    #[arg(long, env = "OMNI_COORDINATOR")]
+    pub coordinator: String,
+    /// The NUMA node whose cores and memory this worker uses. Without it
+    /// (or on a machine with no NUMA nodes) it runs unbound.
+    #[arg(long, env = "OMNI_NUMA_NODE")]
+    pub numa_node: Option<u32>,
+    /// Where this worker listens (port 0 picks a free port).
+    #[arg(long, env = "OMNI_CPU_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// The address others use to reach this worker, when it differs.
+    #[arg(long, env = "OMNI_CPU_WORKER_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// This worker's name in plans, logs and metrics (default: c-<pid>).
+    #[arg(long, env = "OMNI_CPU_WORKER_ID")]
+    pub id: Option<String>,
+    /// Compute threads (default: every core of the node, or of the process).
+    #[arg(long, env = "OMNI_CPU_WORKER_THREADS")]
+    pub threads: Option<usize>,
+    /// Offer at most this much memory to the planner (e.g. 200GiB).
+    #[arg(long, env = "OMNI_CPU_WORKER_MEMORY", value_parser = parse_size)]
+    pub memory: Option<u64>,
+    /// Where the shared-memory rings live.
+    #[arg(long, env = "OMNI_SHM_DIR", default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    /// Prometheus metrics (GET /metrics) listen address.
+    #[arg(long, env = "OMNI_CPU_WORKER_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+    /// Give up if the coordinator cannot be reached for this long (seconds).
+    #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
+    pub register_timeout: f64,
+    #[command(flatten)]
+    pub telemetry: omni_telemetry::TelemetryArgs,
+}
+
+impl CpuWorkerConfig {
+    /// `--id`, or c-<pid>.
+    pub fn worker_id(&self) -> String {
+        self.id
+            .clone()
+            .unwrap_or_else(|| format!("c-{}", std::process::id()))
+    }
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    omni_engine::parse_size(s)
+}
+
+/// What the worker counts (metrics).
+#[derive(Debug, Default)]
+struct Stats {
+    calls: AtomicU64,
+    tokens: AtomicU64,
+    compute_us: AtomicU64,
+    errors: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+}
+
+/// A call for the compute thread and where its answer goes.
+struct Job {
+    frame: Frame,
+    reply: Box<dyn FnOnce(Frame) + Send>,
+}
+
+/// The loaded experts: the compute thread's mailbox and what sessions need.
+struct Loaded {
+    jobs: crossbeam_channel::Sender<Job>,
+    ring: usize,
+    layers: Vec<u32>,
+}
+
+struct Worker {
+    id: String,
+    cfg: CpuWorkerConfig,
+    threads: usize,
+    binding: String,
+    loaded: Mutex<Option<Loaded>>,
+    stats: Arc<Stats>,
+    sessions: AtomicU64,
+    stop: Arc<AtomicBool>,
+}
+
+/// `node 0 (CPUs 0-15)`, or why the worker is not bound.
+pub fn describe(b: &Binding) -> String {
+    match b {
+        Binding::Bound {
+            node,
+            cpus,
+            memory_refused,
+        } => {
+            let mut s = format!("node {node} ({} CPUs)", cpus.len());
+            if let Some(why) = memory_refused {
+                s.push_str(&format!("; memory not bound: {why}"));
+            }
+            s
+        }
+        Binding::Unbound { why } => format!("unbound ({why})"),
+    }
+}
+
+/// Runs the worker until the process is stopped. `binding` is what the
+/// caller did before any thread started.
+pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
+    let id = cfg.worker_id();
+    let bound_cpus = match &binding {
+        Binding::Bound { cpus, .. } => Some(cpus.len()),
+        Binding::Unbound { .. } => None,
+    };
+    let threads = cfg
+        .threads
+        .or(bound_cpus)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let inventory = inventory(&binding, threads, cfg.memory)?;
+    let binding = describe(&binding);
+    let (listener, local) = omni_transport::registry::listen(&cfg.listen, &cfg.coordinator).await?;
+    let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
+    tracing::info!(
+        "expert worker {id} listening on {local}: {binding}, {threads} threads, {:.2} GiB offered",
+        inventory.memory_free as f64 / (1u64 << 30) as f64
+    );
+    let worker = Arc::new(Worker {
+        id: id.clone(),
+        cfg: cfg.clone(),
+        threads,
+        binding,
+        loaded: Mutex::new(None),
+        stats: Arc::default(),
+        sessions: AtomicU64::new(0),
+        stop: Arc::new(AtomicBool::new(false)),
+    });
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<experts_server::ExpertsServer<Svc>>()
+        .await;
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(
+            experts_server::ExpertsServer::new(Svc(worker.clone()))
+                .max_decoding_message_size(256 << 20)
+                .max_encoding_message_size(256 << 20),
+        )
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    let server = tokio::spawn(server);
+    if let Some(addr) = &cfg.metrics_listen {
+        let w = worker.clone();
+        omni_transport::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
+    }
+    omni_transport::registry::register(
+        &cfg.coordinator,
+        cfg.register_timeout,
+        &id,
+        &advertise,
+        inventory,
+        WorkerKind::Experts,
+    )
+    .await?;
+    let r = server.await;
+    worker.stop.store(true, Ordering::Relaxed);
+    r??;
+    tracing::info!("expert worker {id} stopped");
+    Ok(())
+}
+
+/// What this worker offers: the bound node's memory (or the machine's),
+/// capped by `--memory`, and its cores.
+fn inventory(binding: &Binding, threads: usize, cap: Option<u64>) -> anyhow::Result<Inventory> {
+    let mut sys = sysinfo::System::new();
+    sys.refresh_memory();
+    let (mut total, mut free) = (sys.total_memory(), sys.available_memory());
+    let device = match binding {
+        Binding::Bound { node, .. } => {
+            // The node's own memory bounds what a bound process can get.
+            if let Some(t) = crate::numa::nodes()?
+                .into_iter()
+                .find(|n| n.id == *node)
+                .and_then(|n| n.mem_total)
+            {
+                total = total.min(t);
+                free = free.min(t);
+            }
+            format!("numa:{node}")
+        }
+        Binding::Unbound { .. } => "cpu".to_string(),
+    };
+    if let Some(cap) = cap {
+        total = total.min(cap);
+        free = free.min(cap);
+    }
+    Ok(Inventory {
+        device,
+        device_name: "routed experts".into(),
+        memory_total: total,
+        memory_free: free,
+        numa_nodes: crate::numa::nodes().map_or(0, |n| n.len()) as u32,
+        cpu_cores: threads as u32,
+        hostname: sysinfo::System::host_name().unwrap_or_default(),
+        host_id: omni_transport::host_id(),
+        nvml: false,
+    })
+}
+
+impl Worker {
+    fn load(&self, req: LoadExpertsRequest) -> Result<LoadExpertsReply, Status> {
+        let t = Instant::now();
+        let fail = |e: &dyn std::fmt::Display| {
+            Status::failed_precondition(format!("expert worker {}: {e}", self.id))
+        };
+        // Free the previous experts first, so their memory is there for the new ones.
+        *self.loaded.lock().unwrap() = None;
+        let model = ModelFile::open(&req.model_path).map_err(|e| fail(&e))?;
+        let hp = &model.hparams;
+        let n_embd = hp.n_embd as usize;
+        let n_used = hp.moe.as_ref().map_or(1, |m| m.n_expert_used as usize);
+        let n_ubatch = req.n_ubatch.max(1) as usize;
+        tracing::info!(
+            "loading the experts of layers {:?} of {}",
+            req.layers,
+            req.model_path
+        );
+        let stage = ExpertStage::load(
+            model,
+            &req.layers,
+            ExpertConfig {
+                n_ubatch,
+                n_threads: self.threads,
+                repack: true,
+            },
+        )
+        .map_err(|e| fail(&e))?;
+        let reply = LoadExpertsReply {
+            weight_bytes: stage.weight_bytes(),
+            compute_bytes: stage.compute_bytes() as u64,
+            load_seconds: t.elapsed().as_secs_f64(),
+            binding: self.binding.clone(),
+        };
+        let layers = stage.layers().to_vec();
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let stats = self.stats.clone();
+        std::thread::Builder::new()
+            .name("experts".into())
+            .spawn(move || compute_loop(stage, n_embd, rx, stats))
+            .map_err(|e| Status::internal(e.to_string()))?;
+        *self.loaded.lock().unwrap() = Some(Loaded {
+            jobs: tx,
+            ring: ring_bytes(n_ubatch, n_embd, n_used),
+            layers: layers.clone(),
+        });
+        tracing::info!(
+            "loaded the experts of layers {layers:?} ({}) in {:.2}s",
+            omni_engine::fmt_bytes(reply.weight_bytes),
+            reply.load_seconds
+        );
+        Ok(reply)
+    }
+
+    /// Hands a call to the compute thread; without experts loaded it is
+    /// answered at once with the reason.
+    fn submit(&self, frame: Frame, reply: Box<dyn FnOnce(Frame) + Send>) {
+        self.stats
+            .bytes_in
+            .fetch_add((frame.meta.len() + frame.payload.len()) as u64, Ordering::Relaxed);
+        let guard = self.loaded.lock().unwrap();
+        match guard.as_ref() {
+            Some(l) => {
+                if let Err(e) = l.jobs.send(Job { frame, reply }) {
+                    let job = e.into_inner();
+                    (job.reply)(encode_reply(0, 0, Err("the experts are being replaced")));
+                }
+            }
+            None => reply(encode_reply(
+                0,
+                0,
+                Err(&format!("expert worker {} has no experts loaded", self.id)),
+            )),
+        }
+    }
+
+    fn render_metrics(&self) -> String {
+        use prometheus_client::metrics::{counter::ConstCounter, gauge::ConstGauge};
+        let mut r = prometheus_client::registry::Registry::with_prefix("omni_cpu_worker");
+        let s = &self.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        r.register(
+            "calls",
+            "Expert calls computed",
+            ConstCounter::new(get(&s.calls)),
+        );
+        r.register(
+            "tokens",
+            "Tokens whose experts were computed",
+            ConstCounter::new(get(&s.tokens)),
+        );
+        r.register(
+            "compute_seconds",
+            "Time spent computing experts",
+            ConstCounter::new(get(&s.compute_us) as f64 / 1e6),
+        );
+        r.register(
+            "call_errors",
+            "Calls answered with an error",
+            ConstCounter::new(get(&s.errors)),
+        );
+        r.register(
+            "bytes_received",
+            "Request bytes received",
+            ConstCounter::new(get(&s.bytes_in)),
+        );
+        r.register(
+            "bytes_sent",
+            "Reply bytes sent",
+            ConstCounter::new(get(&s.bytes_out)),
+        );
+        r.register(
+            "sessions",
+            "Sessions opened by stages",
+            ConstCounter::new(self.sessions.load(Ordering::Relaxed)),
+        );
+        let n_layers = self.loaded.lock().unwrap().as_ref().map_or(0, |l| l.layers.len());
+        r.register(
+            "layers",
+            "Layers whose experts are loaded",
+            ConstGauge::new(n_layers as i64),
+        );
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &r).expect("writing to a String");
+        out
+    }
+}
+
+/// The compute thread: one call at a time, in arrival order.
+fn compute_loop(
+    mut stage: ExpertStage,
+    n_embd: usize,
+    jobs: crossbeam_channel::Receiver<Job>,
+    stats: Arc<Stats>,
+) {
+    for job in jobs {
+        let t = Instant::now();
+        let (out, ok) = match decode_request(&job.frame, n_embd) {
+            Ok(req) => {
+                stats.tokens.fetch_add(req.n_tokens as u64, Ordering::Relaxed);
+                match stage.run(req.layer, &req.x, &req.ids, &req.weights) {
+                    Ok(v) => (encode_reply(req.id, req.layer, Ok(&v)), true),
+                    Err(e) => (encode_reply(req.id, req.layer, Err(&e.to_string())), false),
+                }
+            }
+            Err(e) => (encode_reply(0, 0, Err(&e)), false),
+        };
+        let counter = if ok { &stats.calls } else { &stats.errors };
+        counter.fetch_add(1, Ordering::Relaxed);
+        stats
+            .compute_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        stats
+            .bytes_out
+            .fetch_add((out.meta.len() + out.payload.len()) as u64, Ordering::Relaxed);
+        (job.reply)(out);
+    }
+}
+
+struct Svc(Arc<Worker>);
+
+type ReplyStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Frame, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl experts_server::Experts for Svc {
+    async fn load_experts(
+        &self,
+        req: Request<LoadExpertsRequest>,
+    ) -> Result<Response<LoadExpertsReply>, Status> {
+        let w = self.0.clone();
+        let req = req.into_inner();
+        tokio::task::spawn_blocking(move || w.load(req))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map(Response::new)
+    }
+
+    async fn open_shm(
+        &self,
+        req: Request<OpenShmRequest>,
+    ) -> Result<Response<OpenShmReply>, Status> {
+        let req = req.into_inner();
+        let w = self.0.clone();
+        let reply = req
+            .reply
+            .ok_or_else(|| Status::invalid_argument("OpenShm needs the caller's reply ring"))?;
+        let ring = w
+            .loaded
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|l| l.ring)
+            .ok_or_else(|| {
+                Status::failed_precondition(format!("expert worker {} has no experts loaded", w.id))
+            })?;
+        let n = w.sessions.fetch_add(1, Ordering::Relaxed);
+        let name = format!("omni-{}-{}-session-{n}", w.id, std::process::id());
+        let (mut rx, mut tx, ep) = accept_shm(&reply, &w.cfg.shm_dir, &name, ring)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let client = req.client;
+        tracing::info!("{client} computes experts here over shared memory ({name})");
+        let stop = w.stop.clone();
+        std::thread::Builder::new()
+            .name(format!("shm-{n}"))
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let (meta, payload) = match rx.recv(Duration::from_millis(100)) {
+                        Ok(Some(f)) => f,
+                        Ok(None) => continue,
+                        Err(ShmError::PeerClosed { .. }) => break,
+                        Err(e) => {
+                            tracing::error!("expert session of {client}: {e}");
+                            break;
+                        }
+                    };
+                    let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+                    w.submit(
+                        Frame { meta, payload },
+                        Box::new(move |f| {
+                            let _ = done_tx.send(f);
+                        }),
+                    );
+                    let Ok(out) = done_rx.recv() else { break };
+                    if let Err(e) = tx.send(&out.meta, &out.payload, Duration::from_secs(10)) {
+                        tracing::warn!("expert session of {client}: cannot answer: {e}");
+                        break;
+                    }
+                }
+                tracing::info!("expert session of {client} ended");
+            })
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(OpenShmReply { requests: Some(ep) }))
+    }
+
+    type ComputeStream = ReplyStream;
+
+    async fn compute(
+        &self,
+        req: Request<Streaming<Frame>>,
+    ) -> Result<Response<Self::ComputeStream>, Status> {
+        let w = self.0.clone();
+        w.sessions.fetch_add(1, Ordering::Relaxed);
+        let mut calls = req.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame, Status>>(4);
+        tokio::spawn(async move {
+            while let Some(frame) = calls.next().await {
+                let Ok(frame) = frame else { break };
+                let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+                w.submit(
+                    frame,
+                    Box::new(move |f| {
+                        let _ = done_tx.send(f);
+                    }),
+                );
+                let Ok(out) = done_rx.await else { break };
+                if tx.send(Ok(out)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}

@@ -1,0 +1,82 @@
+//! The stage's side of offloaded experts: an [`ExpertExec`] that sends each
+//! offloaded block's work to the expert worker holding that layer and
+//! waits for the answer (over shared memory or gRPC, see
+//! `omni_transport::experts`), timing the wait.
+
+use omni_engine::{EngineError, ExpertBatch, ExpertExec};
+use omni_transport::ExpertLink;
+use std::time::{Duration, Instant};
+
+/// Links to the expert workers of one stage, by layer.
+pub struct RemoteExperts {
+    routes: Vec<Route>,
+    pending: Option<usize>,
+    timeout: Duration,
+    /// Time spent in `wait` since the counter was last taken.
+    waited: Duration,
+}
+
+pub struct Route {
+    pub worker: String,
+    pub layers: Vec<u32>,
+    pub link: ExpertLink,
+}
+
+impl RemoteExperts {
+    /// `timeout` bounds each wait: an expert worker that neither answers
+    /// nor dies (stopped, wedged) fails the step instead of hanging it.
+    pub fn new(routes: Vec<Route>, timeout: Duration) -> RemoteExperts {
+        RemoteExperts {
+            routes,
+            pending: None,
+            timeout,
+            waited: Duration::ZERO,
+        }
+    }
+
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+
+    /// The layers some route serves.
+    pub fn serves(&self, layer: u32) -> bool {
+        self.routes.iter().any(|r| r.layers.contains(&layer))
+    }
+
+    /// Time spent waiting since the last call, and resets it.
+    pub fn take_waited(&mut self) -> Duration {
+        std::mem::take(&mut self.waited)
+    }
+}
+
+impl ExpertExec for RemoteExperts {
+    fn submit(&mut self, b: ExpertBatch) -> Result<(), EngineError> {
+        let i = self
+            .routes
+            .iter()
+            .position(|r| r.layers.contains(&b.layer))
+            .ok_or_else(|| {
+                EngineError::Experts(format!(
+                    "no expert worker was wired for layer {}",
+                    b.layer
+                ))
+            })?;
+        self.routes[i]
+            .link
+            .submit(b.layer, b.n_tokens, &b.x, &b.ids, &b.weights)
+            .map_err(|e| EngineError::Experts(e.to_string()))?;
+        self.pending = Some(i);
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<Vec<f32>, EngineError> {
+        let i = self
+            .pending
+            .take()
+            .ok_or_else(|| EngineError::Experts("wait without a submitted batch".into()))?;
+        let t = Instant::now();
+        let r = self.routes[i].link.wait(self.timeout);
+        self.waited += t.elapsed();
+        r.map_err(|e| EngineError::Experts(e.to_string()))
+    }
+}

@@ -1,0 +1,277 @@
+//! End-to-end: MoE models whose routed experts run on an expert worker
+//! (`omni-cpu-worker`), with two device workers running everything else,
+//! all real processes talking over shared memory or gRPC.
+//!
+//! What a user would notice: the tokens are llama.cpp's, wherever the
+//! experts run; the plan says where they run and why; keeping hot experts
+//! on the device changes where work happens, not the tokens; and an expert
+//! worker that dies ends the request with an error that names it.
+
+use omni_proto::coordinator::v1::{generate_request::Prompt, GenerateRequest, TokenIds};
+use omni_tests::fixtures::{fixtures_dir, json};
+use omni_tests::{ids, Cluster, ClusterSpec};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One cluster at a time: the CI machine has two cores.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const FILES: [&str; 9] = [
+    "qwen3moe-f32",
+    "qwen3moe-q8_0",
+    "qwen3moe-q4_k_m",
+    "deepseek2-mla-f32",
+    "deepseek2-mla-q8_0",
+    "deepseek2-mla-q4_k_m",
+    "deepseek2-legacy-f32",
+    "deepseek2-legacy-q8_0",
+    "deepseek2-legacy-q4_k_m",
+];
+
+fn file(name: &str) -> PathBuf {
+    fixtures_dir().join(format!("synthetic/tiny-{name}.gguf"))
+}
+
+fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt: Some(Prompt::Ids(TokenIds {
+            ids: prompt.to_vec(),
+        })),
+        max_tokens: max_tokens as u32,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// (prompt, llama.cpp's greedy ids) of every generation in the fixture.
+fn generations(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let fx = json(&format!("synthetic/ref_tiny-{name}.json"));
+    fx["generations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                omni_tests::fixtures::ids(&g["prompt_ids"]),
+                omni_tests::fixtures::ids(&g["generated_ids"]),
+            )
+        })
+        .collect()
+}
+
+/// Layers of the model with routed experts.
+fn moe_layers(path: &std::path::Path) -> Vec<u32> {
+    let m = omni_engine::ModelFile::open(path).unwrap();
+    (0..m.hparams.n_layer)
+        .filter(|il| {
+            m.gguf
+                .tensor(&format!("blk.{il}.ffn_up_exps.weight"))
+                .is_some()
+        })
+        .collect()
+}
+
+/// "1-3,5" -> [1, 2, 3, 5].
+fn parse_layers(s: &str) -> Vec<u32> {
+    s.split(',')
+        .filter(|p| !p.is_empty())
+        .flat_map(|p| match p.split_once('-') {
+            Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<u32>>(),
+            None => vec![p.parse().unwrap()],
+        })
+        .collect()
+}
+
+fn expert_spec(transport: &'static str, coordinator_args: &[&str]) -> ClusterSpec {
+    let mut spec = ClusterSpec::new(2, transport);
+    spec.cpu_workers = 1;
+    spec.coordinator_args = coordinator_args.iter().map(|s| s.to_string()).collect();
+    spec
+}
+
+/// Every synthetic MoE model, split across two device workers with every
+/// MoE layer's routed experts on the expert worker, over shared memory and
+/// over gRPC: llama.cpp's greedy tokens for every fixture prompt, and the
+/// plan and the wiring say where the experts run.
+#[test]
+fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
+    let _g = serial();
+    for name in FILES {
+        let path = file(name);
+        let moe = moe_layers(&path);
+        for transport in ["shm", "grpc"] {
+            let c = Cluster::start(&path, &expert_spec(transport, &["--experts", "cpu"]));
+            let info = c.info().unwrap();
+            let offloaded: Vec<u32> = info
+                .stages
+                .iter()
+                .flat_map(|s| parse_layers(&s.offloaded))
+                .collect();
+            assert_eq!(offloaded, moe, "{name}: every MoE layer's experts leave the stages");
+            assert_eq!(info.expert_workers.len(), 1);
+            assert_eq!(info.expert_workers[0].worker_id, "c0");
+            assert_eq!(parse_layers(&info.expert_workers[0].layers), moe);
+            for s in &info.stages {
+                let want = usize::from(!s.offloaded.is_empty());
+                assert_eq!(s.expert_transports.len(), want, "{name}: {s:?}");
+                assert!(s.expert_transports.iter().all(|t| t == transport), "{s:?}");
+            }
+            assert!(info.plan.contains("c0"), "the plan names the expert worker:\n{}", info.plan);
+            for (prompt, want) in generations(name) {
+                let ev = c
+                    .generate(greedy(&prompt, want.len()))
+                    .unwrap_or_else(|e| panic!("{name}: {e}\n{}", c.logs()));
+                assert_eq!(ids(&ev), want, "{name}, experts on c0 over {transport}");
+            }
+            let info = c.info().unwrap();
+            assert!(info.expert_wait_samples > 0, "steps waited on c0");
+            eprintln!(
+                "{name}: experts on c0 over {transport}: llama.cpp's tokens; wait per step p50 {:.3} ms",
+                info.expert_wait_ms_p50
+            );
+        }
+    }
+}
+
+/// A request in flight when the expert worker is killed ends, within a
+/// bound, with an error naming the expert worker; the coordinator then says
+/// why it cannot serve.
+#[test]
+fn killing_the_cpu_worker_mid_request_ends_the_stream_with_a_clear_error() {
+    let _g = serial();
+    let path = file("deepseek2-mla-f32");
+    let mut c = Cluster::start(&path, &expert_spec("shm", &["--experts", "cpu"]));
+    let (prompt, _) = generations("deepseek2-mla-f32").remove(0);
+    let mut client = c.client().unwrap();
+    let n_ctx = 1024 - prompt.len() - 1;
+    let rest = c.rt.block_on(async {
+        let mut stream = client
+            .generate(greedy(&prompt, n_ctx))
+            .await
+            .unwrap()
+            .into_inner();
+        use tokio_stream::StreamExt;
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(!first.tokens.is_empty());
+        stream
+    });
+    c.cpu_workers[0].kill9();
+    let t = Instant::now();
+    let end = c.rt.block_on(async {
+        use tokio_stream::StreamExt;
+        let mut stream = rest;
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    Err(s) => return Some(s),
+                    Ok(ev) if ev.done.is_some() => return None,
+                    Ok(_) => {}
+                }
+            }
+            None
+        })
+        .await
+    });
+    let status = end
+        .expect("the stream must end within 60 s")
+        .unwrap_or_else(|| panic!("the stream must end with an error\n{}", c.logs()));
+    eprintln!(
+        "expert worker killed: the stream ended after {:.2}s with: {}",
+        t.elapsed().as_secs_f64(),
+        status.message()
+    );
+    assert!(
+        status.message().contains("c0"),
+        "the error names the expert worker: {}",
+        status.message()
+    );
+    let err = c.generate(greedy(&prompt, 4)).unwrap_err();
+    assert!(err.message().contains("c0"), "{}", err.message());
+}
+
+/// Every stage's Status (routing statistics, device experts, traffic).
+fn statuses(c: &Cluster) -> Vec<omni_proto::worker::v1::StatusReply> {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    let stages = c.info().unwrap().stages;
+    c.rt.block_on(async {
+        let mut out = Vec::new();
+        for s in &stages {
+            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr))
+                .await
+                .unwrap();
+            out.push(w.status(StatusRequest {}).await.unwrap().into_inner());
+        }
+        out
+    })
+}
+
+/// `--gpu-experts 4`: after a few steps each stage keeps the 4 most used
+/// experts of every offloaded layer (from the statistics it gathered), the
+/// expert worker gets less work, and no token changes.
+#[test]
+fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens() {
+    let _g = serial();
+    for name in ["qwen3moe-f32", "deepseek2-mla-q8_0", "deepseek2-legacy-q4_k_m"] {
+        let path = file(name);
+        let mut spec = expert_spec("shm", &["--experts", "cpu", "--gpu-experts", "4"]);
+        spec.worker_args = vec![vec!["--expert-reselect-steps".into(), "4".into()]; 2];
+        let c = Cluster::start(&path, &spec);
+        let gens = generations(name);
+        // First pass: the stages gather statistics and move experts as they go.
+        for (prompt, want) in &gens {
+            let ev = c
+                .generate(greedy(prompt, want.len()))
+                .unwrap_or_else(|e| panic!("{name}: {e}\n{}", c.logs()));
+            assert_eq!(&ids(&ev), want, "{name}, first pass");
+        }
+        let st = statuses(&c);
+        let mut layers = 0;
+        for s in &st {
+            for u in &s.experts {
+                layers += 1;
+                assert_eq!(u.on_device.len(), 4, "{name}: layer {} keeps 4: {u:?}", u.layer);
+                // They are among the most used: none left out is used more
+                // than the least used kept one by more than what came after
+                // the last choice (statistics keep growing; 4 steps here).
+                let least_kept = u.on_device.iter().map(|&e| u.counts[e as usize]).min().unwrap();
+                let most_left = (0..u.counts.len() as u32)
+                    .filter(|e| !u.on_device.contains(e))
+                    .map(|e| u.counts[e as usize])
+                    .max()
+                    .unwrap();
+                assert!(
+                    most_left <= least_kept + 4 * 24 * 8,
+                    "{name}: layer {}: kept {:?} with counts {:?}",
+                    u.layer,
+                    u.on_device,
+                    u.counts
+                );
+            }
+        }
+        assert_eq!(layers, moe_layers(&path).len(), "{name}: every offloaded layer reported");
+        let sent_before: u64 = st.iter().map(|s| s.expert_bytes_sent).sum();
+        let tokens_before: u64 = st[0].tokens;
+        // Second pass: device experts from the first step on; same tokens.
+        for (prompt, want) in &gens {
+            let ev = c.generate(greedy(prompt, want.len())).unwrap();
+            assert_eq!(&ids(&ev), want, "{name}, second pass with device experts");
+        }
+        let st = statuses(&c);
+        let per_token_second = (st.iter().map(|s| s.expert_bytes_sent).sum::<u64>() - sent_before)
+            as f64
+            / (st[0].tokens - tokens_before) as f64;
+        let per_token_first = sent_before as f64 / tokens_before as f64;
+        eprintln!(
+            "{name}: --gpu-experts 4: llama.cpp's tokens; bytes to c0 per token {per_token_first:.0} -> {per_token_second:.0}"
+        );
+        assert!(
+            per_token_second <= per_token_first,
+            "{name}: no more work reaches the expert worker ({per_token_first:.0} -> {per_token_second:.0} B/token)"
+        );
+    }
+}
