@@ -260,6 +260,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             (None, Some(l)) => Some(Split::Layers(l.clone())),
             (None, None) => None,
         },
+        ..PlanConfig::default()
     };
     let plan = plan::plan(&model, &specs, &pcfg).map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!("plan:\n{plan}");
