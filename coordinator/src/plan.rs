@@ -10,6 +10,14 @@
 //! `free × (1 − headroom)`. A plan that does not fit is an error naming the
 //! stage, the worker and the numbers; a manual split is checked with the
 //! same arithmetic and never overridden.
+//!
+//! A mixture-of-experts model keeps most of its bytes in the routed experts
+//! (`blk.N.ffn_{gate,up,down}_exps`). With expert workers (CPU processes,
+//! one per NUMA node) a layer's routed experts can run there while its stage
+//! keeps attention, router, `exp_probs_b` and shared experts. [`ExpertPolicy`]
+//! decides which: by default experts leave the devices only when the model
+//! does not fit them otherwise, and then as few layers' experts as possible
+//! (see [`plan_with_experts`]).
 
 use std::fmt;
 
@@ -34,6 +42,31 @@ pub struct WorkerSpec {
     pub total_bytes: u64,
 }
 
+/// Where the routed experts of MoE layers (`ffn_{gate,up,down}_exps`) run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertPolicy {
+    /// With their layers when the whole model fits the devices; otherwise
+    /// each stage keeps, layer by layer, as many as fit and the rest go to
+    /// the expert workers.
+    #[default]
+    Auto,
+    /// Always with their layers; expert workers are not used.
+    Device,
+    /// Every MoE layer's routed experts on the expert workers.
+    Cpu,
+}
+
+impl ExpertPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertPolicy::Auto => "auto",
+            ExpertPolicy::Device => "device",
+            ExpertPolicy::Cpu => "cpu",
+        }
+    }
+}
+
 /// How a plan is sized.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PlanConfig {
@@ -47,10 +80,19 @@ pub struct PlanConfig {
     pub headroom: f64,
     /// A manual split; `None` balances automatically.
     pub split: Option<Split>,
+    /// Where routed experts run (with expert workers to run them on).
+    #[serde(default)]
+    pub experts: ExpertPolicy,
+    /// Routed experts of each offloaded layer that its stage holds as well
+    /// (`K × expert bytes / n_expert` more on the device; capped at the
+    /// layer's expert count). The expert workers still hold every expert.
+    #[serde(default)]
+    pub gpu_experts: u32,
 }
 
 impl Default for PlanConfig {
-    /// The coordinator's defaults: 4096 tokens × 8 sequences, 512-token steps, 10% headroom.
+    /// The coordinator's defaults: 4096 tokens × 8 sequences, 512-token
+    /// steps, 10% headroom, experts offloaded only when needed, none kept twice.
     fn default() -> Self {
         PlanConfig {
             n_ctx: 4096,
@@ -58,6 +100,8 @@ impl Default for PlanConfig {
             n_ubatch: 512,
             headroom: 0.10,
             split: None,
+            experts: ExpertPolicy::Auto,
+            gpu_experts: 0,
         }
     }
 }
@@ -85,10 +129,12 @@ pub enum Split {
     Layers(Vec<u32>),
 }
 
-/// What one stage needs and what its worker offers.
+/// What one stage (or expert worker) needs and what its worker offers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StageBytes {
-    /// Exact, from the GGUF tensor table.
+    /// Exact, from the GGUF tensor table: the tensors the stage holds (its
+    /// layers less the routed experts of its offloaded layers, plus
+    /// `gpu_experts` of them per offloaded layer).
     pub weights: u64,
     /// Exact: F16 K and V for this stage's layers.
     pub kv: u64,
@@ -107,6 +153,22 @@ pub struct StagePlan {
     pub device: String,
     pub range: LayerRange,
     pub bytes: StageBytes,
+    /// Layers of this stage whose routed experts run on an expert worker, ascending.
+    #[serde(default)]
+    pub offloaded: Vec<u32>,
+}
+
+/// The routed experts one expert worker runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertPlan {
+    pub worker: String,
+    /// "numa0", "cpu", ...
+    pub device: String,
+    /// Layers whose routed experts it holds, ascending.
+    pub layers: Vec<u32>,
+    /// `weights`: those layers' routed-expert tensors; `kv`: 0; `compute`:
+    /// [`expert_compute_estimate`].
+    pub bytes: StageBytes,
 }
 
 /// Which worker runs which layers, and the arithmetic behind it.
@@ -119,6 +181,9 @@ pub struct Plan {
     pub config: PlanConfig,
     /// In pipeline order: the first runs the embedding, the last the head.
     pub stages: Vec<StagePlan>,
+    /// Expert workers that hold offloaded experts, in the order given.
+    #[serde(default)]
+    pub experts: Vec<ExpertPlan>,
     /// Where the numbers come from.
     pub notes: Vec<String>,
 }
@@ -135,6 +200,8 @@ pub enum PlanError {
     Split(String),
     #[error("{0}")]
     DoesNotFit(Box<NoFit>),
+    #[error("{0}")]
+    ExpertsDoNotFit(Box<ExpertNoFit>),
 }
 
 /// The stage that does not fit, with every number needed to see why.
@@ -187,6 +254,93 @@ impl fmt::Display for NoFit {
             f,
             "; lower the context, sequences or micro-batch, or add memory or workers"
         )
+    }
+}
+
+/// Offloaded experts that no expert worker has room for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertNoFit {
+    /// The first layer whose experts found no room, and their bytes.
+    pub layer: u32,
+    pub layer_bytes: u64,
+    /// Every offloaded layer left without an expert worker.
+    pub left: Vec<u32>,
+    /// The last expert worker, what it holds (`layers`, `bytes.weights`) and offers.
+    pub worker: String,
+    pub device: String,
+    pub layers: Vec<u32>,
+    pub bytes: StageBytes,
+    pub total_bytes: u64,
+    pub headroom: f64,
+    /// All offloaded experts, and what all expert workers offer for experts
+    /// (budget less compute buffer).
+    pub all_need: u64,
+    pub all_budget: u64,
+}
+
+impl fmt::Display for ExpertNoFit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = &self.bytes;
+        write!(
+            f,
+            "the routed experts of layer {} need {} but no expert worker has room for them: the last, {} ({}), has {} free ({} total, {}% headroom: {} usable, {} of it for its compute buffer) and holds ",
+            self.layer,
+            fmt_bytes(self.layer_bytes),
+            self.worker,
+            self.device,
+            fmt_bytes(b.free),
+            fmt_bytes(self.total_bytes),
+            pct(self.headroom),
+            fmt_bytes(b.budget),
+            fmt_bytes(b.compute),
+        )?;
+        if self.layers.is_empty() {
+            write!(f, "no experts")?;
+        } else {
+            write!(
+                f,
+                "{} of experts ({})",
+                fmt_bytes(b.weights),
+                layers_phrase(&self.layers)
+            )?;
+        }
+        write!(
+            f,
+            "; the experts of {} are left without an expert worker; in all the offloaded experts need {} but the expert workers offer {} after headroom and compute buffers; add memory or expert workers, lower the micro-batch, or give the devices room to keep more experts",
+            layers_phrase(&self.left),
+            fmt_bytes(self.all_need),
+            fmt_bytes(self.all_budget),
+        )
+    }
+}
+
+/// Layers as people read them: "3-5,7"; "none" for none.
+pub fn fmt_layers(layers: &[u32]) -> String {
+    if layers.is_empty() {
+        return "none".into();
+    }
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        runs.push(if j == i {
+            layers[i].to_string()
+        } else {
+            format!("{}-{}", layers[i], layers[j])
+        });
+        i = j + 1;
+    }
+    runs.join(",")
+}
+
+/// "layer 3", "layers 3-5,7".
+fn layers_phrase(layers: &[u32]) -> String {
+    match layers {
+        [one] => format!("layer {one}"),
+        _ => format!("layers {}", fmt_layers(layers)),
     }
 }
 
@@ -309,6 +463,38 @@ impl ComputeEstimate {
     }
 }
 
+/// An upper bound of the compute buffer an expert worker's `ExpertStage`
+/// reserves: one step of `n = n_ubatch` tokens through one layer's routed
+/// experts (it reserves for its widest layer; every layer's experts have
+/// the same shapes). With 4-byte f32 activations (`e` = n_embd, `u` experts
+/// used per token, `fx` = n_ff_exp), the sum of:
+///
+/// - inputs: the block's normed input (4en), the selected ids (i32) and
+///   their weights (f32), 8nu;
+/// - per used expert and token: gate, up and the activation (3·fx), the
+///   down projection's output and its weighted copy (2·e), all counted as
+///   alive at once: `4n·u·(3fx + 2e)` (ggml frees gate and up after the
+///   activation, and the sum of the experts reuses freed blocks);
+/// - 1 MiB for alignment and the small tensors ggml adds.
+///
+/// So `4n·(e + u·(3fx + 2e)) + 8nu + 1 MiB`; 0 for a model without
+/// experts. The weights are the mapped expert tensors, counted apart.
+/// Measured against real `ExpertStage`s (tests/plan.rs) it is 1.5× the
+/// buffer of a DeepSeek-V3-shaped layer at 64 and 512 tokens, and looser
+/// for the tiny synthetic files and one-token steps, where the 1 MiB dominates.
+pub fn expert_compute_estimate(hp: &Hparams, n_ubatch: usize) -> u64 {
+    let Some(m) = &hp.moe else {
+        return 0;
+    };
+    let n = n_ubatch as u64;
+    let (e, u, fx) = (
+        u64::from(hp.n_embd),
+        u64::from(m.n_expert_used),
+        u64::from(m.n_ff_exp),
+    );
+    4 * n * (e + u * (3 * fx + 2 * e)) + 8 * n * u + (1 << 20)
+}
+
 /// The compute-buffer estimate for one range (see [`ComputeEstimate`]).
 pub fn compute_estimate(hp: &Hparams, range: &LayerRange, cfg: &PlanConfig) -> u64 {
     ComputeEstimate::new(hp, cfg.n_ctx, cfg.n_seq, cfg.n_ubatch).for_range(hp, range)
@@ -320,7 +506,15 @@ struct Costs<'a> {
     model: &'a ModelFile,
     cfg: &'a PlanConfig,
     est: ComputeEstimate,
-    /// `layer_prefix[j]`: bytes of the tensors of layers `0..j`.
+    /// Per layer: bytes of its routed experts (0 for a dense layer), and
+    /// what its stage still holds of them when they are offloaded
+    /// (`gpu_experts` of `n_expert`).
+    expert: Vec<u64>,
+    kept: Vec<u64>,
+    /// Whether ranges are sized with every MoE layer's experts offloaded.
+    offload_all: bool,
+    /// `layer_prefix[j]`: bytes of the tensors of layers `0..j` (less the
+    /// offloaded experts with `offload_all`).
     layer_prefix: Vec<u64>,
     /// `swa_prefix[j]`: sliding-window layers among `0..j`.
     swa_prefix: Vec<u32>,
@@ -332,7 +526,7 @@ struct Costs<'a> {
 }
 
 impl<'a> Costs<'a> {
-    fn new(model: &'a ModelFile, cfg: &'a PlanConfig) -> Costs<'a> {
+    fn new(model: &'a ModelFile, cfg: &'a PlanConfig, offload_all: bool) -> Costs<'a> {
         let hp = &model.hparams;
         let n = hp.n_layer;
         let range = |embed, layers, head| LayerRange {
@@ -340,18 +534,32 @@ impl<'a> Costs<'a> {
             layers,
             head,
         };
+        let n_expert = hp.moe.as_ref().map_or(0, |m| u64::from(m.n_expert));
+        let k = u64::from(cfg.gpu_experts).min(n_expert);
+        let expert: Vec<u64> = (0..n).map(|il| model.expert_weight_bytes(il)).collect();
+        // Every expert of a layer has the same shape, so K of them are K/n_expert of the bytes.
+        let kept: Vec<u64> = expert
+            .iter()
+            .map(|&b| (b * k).checked_div(n_expert).unwrap_or(0))
+            .collect();
         let mut layer_prefix = vec![0u64; n as usize + 1];
         let mut swa_prefix = vec![0u32; n as usize + 1];
         for il in 0..n {
             let i = il as usize;
-            layer_prefix[i + 1] =
-                layer_prefix[i] + model.range_weight_bytes(&range(false, il..il + 1, false));
+            let mut bytes = model.range_weight_bytes(&range(false, il..il + 1, false));
+            if offload_all {
+                bytes -= expert[i] - kept[i];
+            }
+            layer_prefix[i + 1] = layer_prefix[i] + bytes;
             swa_prefix[i + 1] = swa_prefix[i] + u32::from(hp.is_swa(il));
         }
         Costs {
             model,
             cfg,
             est: ComputeEstimate::new(hp, cfg.n_ctx, cfg.n_seq, cfg.n_ubatch),
+            expert,
+            kept,
+            offload_all,
             layer_prefix,
             swa_prefix,
             embed_bytes: model.range_weight_bytes(&range(true, 0..0, false)),
@@ -361,6 +569,23 @@ impl<'a> Costs<'a> {
             both_bytes: model.range_weight_bytes(&range(true, n..n, true)),
             kv_per_layer: cfg.kv().bytes(hp, 1),
         }
+    }
+
+    /// What offloading layer `il`'s routed experts takes off its stage.
+    fn saved(&self, il: u32) -> u64 {
+        self.expert[il as usize] - self.kept[il as usize]
+    }
+
+    /// The MoE layers of `range`, when ranges are sized with their experts offloaded.
+    fn offloaded_in(&self, range: &LayerRange) -> Vec<u32> {
+        if !self.offload_all {
+            return Vec::new();
+        }
+        range
+            .layers
+            .clone()
+            .filter(|&il| self.expert[il as usize] > 0)
+            .collect()
     }
 
     /// (weights, kv, compute) of `a..b` on stage `i` of `w`.
@@ -387,10 +612,18 @@ impl<'a> Costs<'a> {
         x + y + z
     }
 
-    /// The exact bytes of a final range (weights straight from the tensor table).
-    fn stage_bytes(&self, range: &LayerRange, worker: &WorkerSpec) -> StageBytes {
+    /// The exact bytes of a final range whose `offloaded` layers' routed
+    /// experts run elsewhere (weights straight from the tensor table). The
+    /// compute estimate stays that of the whole layers: an upper bound still.
+    fn stage_bytes(
+        &self,
+        range: &LayerRange,
+        worker: &WorkerSpec,
+        offloaded: &[u32],
+    ) -> StageBytes {
         let hp = &self.model.hparams;
-        let weights = self.model.range_weight_bytes(range);
+        let weights = self.model.range_weight_bytes(range)
+            - offloaded.iter().map(|&il| self.saved(il)).sum::<u64>();
         let kv = self.cfg.kv().bytes(hp, range.layers.len());
         let compute = self.est.for_range(hp, range);
         StageBytes {
@@ -421,16 +654,97 @@ fn ratio(total: u64, budget: u64) -> f64 {
     }
 }
 
-/// Plans `model` over `workers` (in pipeline order).
+/// Plans `model` over `workers` (in pipeline order), every layer's experts
+/// on its stage: [`plan_with_experts`] without expert workers.
 pub fn plan(
     model: &ModelFile,
     workers: &[WorkerSpec],
     cfg: &PlanConfig,
 ) -> Result<Plan, PlanError> {
+    plan_with_experts(model, workers, &[], cfg)
+}
+
+/// Plans `model` over `workers` (in pipeline order) and `expert_workers`
+/// (which may run MoE layers' routed experts), as `cfg.experts` says:
+///
+/// - `Device`, or `Auto` without expert workers or without experts in the
+///   model: every layer's experts stay on its stage;
+/// - `Auto`: that plan if it fits; otherwise the ranges are balanced on
+///   the bytes without routed experts (every MoE layer's counted as
+///   offloaded; a manual split fixes the ranges instead), then each stage
+///   takes its layers' experts back, in layer order, while it still fits
+///   its budget; the rest are offloaded;
+/// - `Cpu`: every MoE layer's experts are offloaded (it needs expert
+///   workers and an MoE model).
+///
+/// Offloaded layers go, in layer order, to the expert workers, each filled
+/// to its budget (`free × (1 − headroom)` less its compute buffer, see
+/// [`expert_compute_estimate`]) before the next. A stage that does not fit
+/// even without experts is [`PlanError::DoesNotFit`]; experts the expert
+/// workers cannot hold are [`PlanError::ExpertsDoNotFit`].
+pub fn plan_with_experts(
+    model: &ModelFile,
+    workers: &[WorkerSpec],
+    expert_workers: &[WorkerSpec],
+    cfg: &PlanConfig,
+) -> Result<Plan, PlanError> {
+    let hp = &model.hparams;
+    validate(hp, workers, cfg)?;
+    let has_experts = !model.expert_layers().is_empty();
+    if cfg.experts == ExpertPolicy::Cpu {
+        if expert_workers.is_empty() {
+            return Err(PlanError::Config(
+                "--experts cpu puts every MoE layer's routed experts on expert workers, but there are none (give them with --expert-devices, e.g. numa0:256GiB)".into(),
+            ));
+        }
+        if !has_experts {
+            return Err(PlanError::Config(format!(
+                "--experts cpu: this {} model has no routed experts to put on expert workers; use --experts auto or device",
+                hp.arch.name()
+            )));
+        }
+    }
+    let mode = match cfg.experts {
+        ExpertPolicy::Device => Offload::None,
+        ExpertPolicy::Auto if expert_workers.is_empty() || !has_experts => Offload::None,
+        ExpertPolicy::Cpu => Offload::All,
+        ExpertPolicy::Auto => match build(model, workers, expert_workers, cfg, Offload::None) {
+            Err(PlanError::DoesNotFit(_)) => Offload::PutBack,
+            done => return done,
+        },
+    };
+    build(model, workers, expert_workers, cfg, mode)
+}
+
+/// Which routed experts may leave their stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Offload {
+    /// None.
+    None,
+    /// Every MoE layer's.
+    All,
+    /// Every MoE layer's, then back to each stage while it fits.
+    PutBack,
+}
+
+/// Why a stage's experts went out (`Offload::PutBack`): its total with all
+/// of them back, and with only the first of them back.
+#[derive(Clone, Copy)]
+struct Overflow {
+    with_all: u64,
+    with_first: u64,
+}
+
+fn build(
+    model: &ModelFile,
+    workers: &[WorkerSpec],
+    expert_workers: &[WorkerSpec],
+    cfg: &PlanConfig,
+    mode: Offload,
+) -> Result<Plan, PlanError> {
     let hp = &model.hparams;
     let n_layer = hp.n_layer;
-    validate(hp, workers, cfg)?;
-    let costs = Costs::new(model, cfg);
+    let costs = Costs::new(model, cfg, mode != Offload::None);
     let budgets: Vec<u64> = workers
         .iter()
         .map(|wk| budget(wk.free_bytes, cfg.headroom))
@@ -446,7 +760,7 @@ pub fn plan(
             let fits = |c: &[u32]| {
                 let ranges = LayerRange::split(n_layer, c).expect("counts add up");
                 ranges.iter().zip(workers).all(|(r, wk)| {
-                    let b = costs.stage_bytes(r, wk);
+                    let b = costs.stage_bytes(r, wk, &costs.offloaded_in(r));
                     b.total <= b.budget
                 })
             };
@@ -480,14 +794,18 @@ pub fn plan(
     };
 
     let ranges = LayerRange::split(n_layer, &counts).expect("counts add up to n_layer");
-    let stages: Vec<StagePlan> = ranges
+    let mut stages: Vec<StagePlan> = ranges
         .into_iter()
         .zip(workers)
-        .map(|(range, wk)| StagePlan {
-            worker: wk.id.clone(),
-            device: wk.device.clone(),
-            bytes: costs.stage_bytes(&range, wk),
-            range,
+        .map(|(range, wk)| {
+            let offloaded = costs.offloaded_in(&range);
+            StagePlan {
+                worker: wk.id.clone(),
+                device: wk.device.clone(),
+                bytes: costs.stage_bytes(&range, wk, &offloaded),
+                range,
+                offloaded,
+            }
         })
         .collect();
 
@@ -502,6 +820,18 @@ pub fn plan(
         .expect("at least one stage");
     let ws = &stages[worst];
     if ws.bytes.total > ws.bytes.budget {
+        let mut split =
+            how.unwrap_or_else(|| format!("the best automatic split (layers {})", join(&counts)));
+        if mode != Offload::None {
+            split.push_str(&format!(
+                " with the routed experts of every MoE layer on the expert workers{}",
+                if cfg.gpu_experts > 0 {
+                    format!(" (but {} per layer)", cfg.gpu_experts)
+                } else {
+                    String::new()
+                }
+            ));
+        }
         return Err(PlanError::DoesNotFit(Box::new(NoFit {
             stage: worst,
             worker: ws.worker.clone(),
@@ -510,22 +840,129 @@ pub fn plan(
             bytes: ws.bytes.clone(),
             total_bytes: workers[worst].total_bytes,
             headroom: cfg.headroom,
-            split: how
-                .unwrap_or_else(|| format!("the best automatic split (layers {})", join(&counts))),
+            split,
             all_need: stages.iter().map(|s| s.bytes.total).sum(),
             all_budget: budgets.iter().sum(),
         })));
     }
 
-    let notes = notes(model, cfg, &costs, &stages, &counts, packed);
+    // Each stage takes its layers' experts back, in layer order, while it fits.
+    let mut overflow: Vec<Option<Overflow>> = vec![None; stages.len()];
+    if mode == Offload::PutBack {
+        for (s, o) in stages.iter_mut().zip(&mut overflow) {
+            let mut back = 0;
+            for &il in &s.offloaded {
+                if s.bytes.total + costs.saved(il) > s.bytes.budget {
+                    break;
+                }
+                s.bytes.weights += costs.saved(il);
+                s.bytes.total += costs.saved(il);
+                back += 1;
+            }
+            s.offloaded.drain(..back);
+            if let Some(&first) = s.offloaded.first() {
+                let out: u64 = s.offloaded.iter().map(|&il| costs.saved(il)).sum();
+                *o = Some(Overflow {
+                    with_all: s.bytes.total + out,
+                    with_first: s.bytes.total + costs.saved(first),
+                });
+            }
+        }
+    }
+
+    let offloaded: Vec<u32> = stages
+        .iter()
+        .flat_map(|s| s.offloaded.iter().copied())
+        .collect();
+    let experts = assign_experts(&costs, expert_workers, &offloaded)?;
+
+    let mut notes = notes(model, cfg, &costs, &stages, &counts, packed);
+    notes.extend(expert_notes(
+        model,
+        cfg,
+        &costs,
+        mode,
+        &stages,
+        &overflow,
+        expert_workers,
+        &experts,
+    ));
     Ok(Plan {
         model: model.path.display().to_string(),
         arch: hp.arch.name().to_string(),
         n_layer,
         config: cfg.clone(),
         stages,
+        experts,
         notes,
     })
+}
+
+/// Offloaded layers, in order, to the expert workers, each filled before the next.
+fn assign_experts(
+    costs: &Costs<'_>,
+    expert_workers: &[WorkerSpec],
+    layers: &[u32],
+) -> Result<Vec<ExpertPlan>, PlanError> {
+    if layers.is_empty() {
+        return Ok(Vec::new());
+    }
+    let cfg = costs.cfg;
+    let compute = expert_compute_estimate(&costs.model.hparams, cfg.n_ubatch);
+    let mut plans = Vec::new();
+    let mut next = 0;
+    let mut last = None;
+    for wk in expert_workers {
+        let budget = budget(wk.free_bytes, cfg.headroom);
+        let (mut held, mut weights) = (Vec::new(), 0u64);
+        while let Some(&il) = layers.get(next) {
+            let b = costs.expert[il as usize];
+            if compute + weights + b > budget {
+                break;
+            }
+            held.push(il);
+            weights += b;
+            next += 1;
+        }
+        let bytes = StageBytes {
+            weights,
+            kv: 0,
+            compute,
+            total: weights + compute,
+            budget,
+            free: wk.free_bytes,
+        };
+        if !held.is_empty() {
+            plans.push(ExpertPlan {
+                worker: wk.id.clone(),
+                device: wk.device.clone(),
+                layers: held.clone(),
+                bytes: bytes.clone(),
+            });
+        }
+        last = Some((wk, held, bytes));
+        if next == layers.len() {
+            return Ok(plans);
+        }
+    }
+    let (wk, held, bytes) = last.expect("offloading needs expert workers");
+    let layer = layers[next];
+    Err(PlanError::ExpertsDoNotFit(Box::new(ExpertNoFit {
+        layer,
+        layer_bytes: costs.expert[layer as usize],
+        left: layers[next..].to_vec(),
+        worker: wk.id.clone(),
+        device: wk.device.clone(),
+        layers: held,
+        bytes,
+        total_bytes: wk.total_bytes,
+        headroom: cfg.headroom,
+        all_need: layers.iter().map(|&il| costs.expert[il as usize]).sum(),
+        all_budget: expert_workers
+            .iter()
+            .map(|w| budget(w.free_bytes, cfg.headroom).saturating_sub(compute))
+            .sum(),
+    })))
 }
 
 fn join(c: &[u32]) -> String {
@@ -657,7 +1094,7 @@ pub fn proportions_to_counts(
 /// among those, the sum of squares of `total / budget` (so stages other than
 /// the bottleneck are balanced too). Exact dynamic programming, O(w·n²).
 pub fn min_max_split(model: &ModelFile, workers: &[WorkerSpec], cfg: &PlanConfig) -> Vec<u32> {
-    let costs = Costs::new(model, cfg);
+    let costs = Costs::new(model, cfg, false);
     let budgets: Vec<u64> = workers
         .iter()
         .map(|wk| budget(wk.free_bytes, cfg.headroom))
@@ -796,6 +1233,188 @@ fn notes(
     notes
 }
 
+/// What the plan did with the routed experts, and why.
+#[allow(clippy::too_many_arguments)]
+fn expert_notes(
+    model: &ModelFile,
+    cfg: &PlanConfig,
+    costs: &Costs<'_>,
+    mode: Offload,
+    stages: &[StagePlan],
+    overflow: &[Option<Overflow>],
+    expert_workers: &[WorkerSpec],
+    experts: &[ExpertPlan],
+) -> Vec<String> {
+    let hp = &model.hparams;
+    let moe: Vec<u32> = (0..hp.n_layer)
+        .filter(|&il| costs.expert[il as usize] > 0)
+        .collect();
+    let unused: Vec<&str> = expert_workers
+        .iter()
+        .filter(|w| !experts.iter().any(|e| e.worker == w.id))
+        .map(|w| w.id.as_str())
+        .collect();
+    let unused = if unused.is_empty() {
+        String::new()
+    } else {
+        format!("; expert workers unused: {}", unused.join(", "))
+    };
+    let mut notes = Vec::new();
+    let Some(m) = hp.moe.as_ref().filter(|_| !moe.is_empty()) else {
+        if !expert_workers.is_empty() {
+            notes.push(format!("experts: the model has no routed experts{unused}"));
+        }
+        return notes;
+    };
+    let sizes = moe.iter().map(|&il| costs.expert[il as usize]);
+    let (lo, hi) = (
+        sizes.clone().min().unwrap_or(0),
+        sizes.clone().max().unwrap_or(0),
+    );
+    notes.push(format!(
+        "experts: {} {} {} routed experts each ({} used per token), {} per layer, {} in all (ffn_gate_exps, ffn_up_exps, ffn_down_exps, exact from the tensor table)",
+        layers_phrase(&moe),
+        if moe.len() == 1 { "has" } else { "have" },
+        m.n_expert,
+        m.n_expert_used,
+        if lo == hi {
+            fmt_bytes(lo)
+        } else {
+            format!("{} to {}", fmt_bytes(lo), fmt_bytes(hi))
+        },
+        fmt_bytes(sizes.sum()),
+    ));
+    notes.push(match (mode, cfg.experts) {
+        (Offload::None, ExpertPolicy::Device) => format!(
+            "experts: --experts device: every MoE layer keeps its routed experts on its stage{unused}"
+        ),
+        (Offload::None, _) if expert_workers.is_empty() => {
+            "experts: every MoE layer keeps its routed experts on its stage (no expert workers)"
+                .into()
+        }
+        (Offload::None, _) => format!(
+            "experts: the whole model fits the devices, so every MoE layer keeps its routed experts on its stage{unused}"
+        ),
+        (Offload::All, _) => format!(
+            "experts: --experts cpu: the routed experts of every MoE layer run on the expert workers; {}, and each stage keeps its layers' attention, router, exp_probs_b and shared experts",
+            if cfg.split.is_some() {
+                "the manual split fixes the ranges"
+            } else {
+                "the ranges are balanced on the bytes without them"
+            }
+        ),
+        (Offload::PutBack, _) => format!(
+            "experts: with their routed experts the layers do not fit the devices, so {}, then each stage takes its layers' experts back, in layer order, while it fits its budget; the rest run on the expert workers",
+            if cfg.split.is_some() {
+                "each stage of the manual split starts from its layers without them"
+            } else {
+                "the ranges are balanced on the bytes without them"
+            }
+        ),
+    });
+    if mode == Offload::None {
+        return notes;
+    }
+    let k = cfg.gpu_experts.min(m.n_expert);
+    if k > 0 && !experts.is_empty() {
+        notes.push(format!(
+            "experts: each stage also holds {k} of the {} routed experts of each of its offloaded layers{} (counted in its weights; the expert workers hold all of them)",
+            m.n_expert,
+            if cfg.gpu_experts > m.n_expert {
+                format!(" (--gpu-experts {} capped at the expert count)", cfg.gpu_experts)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    for (i, (s, o)) in stages.iter().zip(overflow).enumerate() {
+        let own: Vec<u32> = s
+            .range
+            .layers
+            .clone()
+            .filter(|&il| costs.expert[il as usize] > 0)
+            .collect();
+        if own.is_empty() {
+            continue;
+        }
+        let kept: Vec<u32> = own
+            .iter()
+            .copied()
+            .filter(|il| !s.offloaded.contains(il))
+            .collect();
+        let head = format!("experts: stage {i} ({})", s.worker);
+        if s.offloaded.is_empty() {
+            notes.push(format!(
+                "{head}: keeps the routed experts of {}",
+                layers_phrase(&kept)
+            ));
+            continue;
+        }
+        let dest: Vec<(&str, Vec<u32>)> = experts
+            .iter()
+            .map(|e| {
+                let l = e
+                    .layers
+                    .iter()
+                    .copied()
+                    .filter(|il| s.offloaded.contains(il))
+                    .collect::<Vec<u32>>();
+                (e.worker.as_str(), l)
+            })
+            .filter(|(_, l)| !l.is_empty())
+            .collect();
+        let dest = match dest.as_slice() {
+            [(w, _)] => w.to_string(),
+            many => many
+                .iter()
+                .map(|(w, l)| format!("{w} ({})", fmt_layers(l)))
+                .collect::<Vec<_>>()
+                .join(", "),
+        };
+        let mut n = format!(
+            "{head}: experts of {} go to {dest}",
+            layers_phrase(&s.offloaded)
+        );
+        match o {
+            Some(o) => {
+                n.push_str(&format!(
+                    ": with them stage {i} would need {}",
+                    fmt_bytes(o.with_all)
+                ));
+                if s.offloaded.len() > 1 {
+                    n.push_str(&format!(
+                        " (with layer {}'s alone {})",
+                        s.offloaded[0],
+                        fmt_bytes(o.with_first)
+                    ));
+                }
+                n.push_str(&format!(", it has {} usable", fmt_bytes(s.bytes.budget)));
+            }
+            None => n.push_str(" (--experts cpu)"),
+        }
+        if !kept.is_empty() {
+            n.push_str(&format!("; it keeps those of {}", layers_phrase(&kept)));
+        }
+        notes.push(n);
+    }
+    if !experts.is_empty() {
+        let n = cfg.n_ubatch;
+        notes.push(format!(
+            "expert compute: upper bound of an expert worker's compute buffer for a step of {n} tokens: input {n} x {} floats, ids and weights {n} x {}, per used expert and token 3 x {} floats (gate, up, activation) and 2 x {} (output, weighted), + 1 MiB = {}",
+            hp.n_embd,
+            m.n_expert_used,
+            m.n_ff_exp,
+            hp.n_embd,
+            fmt_bytes(expert_compute_estimate(hp, n)),
+        ));
+        notes.push(format!(
+            "expert workers: the offloaded layers in layer order, each worker filled to its budget (free x (1 - {}% headroom) less its compute buffer) before the next{unused}",
+            pct(cfg.headroom)
+        ));
+    }
+    notes
+}
+
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.config;
@@ -810,55 +1429,52 @@ impl fmt::Display for Plan {
             c.n_ubatch,
             pct(c.headroom)
         )?;
-        let header = [
-            "stage", "worker", "device", "layers", "weights", "KV", "compute", "total", "budget",
-            "free", "use",
-        ];
-        let rows: Vec<[String; 11]> = self
+        let offloading = self.stages.iter().any(|s| !s.offloaded.is_empty());
+        let mut header = vec!["stage", "worker", "device", "layers"];
+        if offloading {
+            header.push("experts out");
+        }
+        header.extend(["weights", "KV", "compute", "total", "budget", "free", "use"]);
+        let rows: Vec<Vec<String>> = self
             .stages
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let b = &s.bytes;
-                [
+                let mut r = vec![
                     i.to_string(),
                     s.worker.clone(),
                     s.device.clone(),
                     s.range.to_string(),
-                    fmt_bytes(b.weights),
-                    fmt_bytes(b.kv),
-                    fmt_bytes(b.compute),
-                    fmt_bytes(b.total),
-                    fmt_bytes(b.budget),
-                    fmt_bytes(b.free),
-                    format!("{:.0}%", ratio(b.total, b.budget) * 100.0),
-                ]
+                ];
+                if offloading {
+                    r.push(if s.offloaded.is_empty() {
+                        "-".into()
+                    } else {
+                        fmt_layers(&s.offloaded)
+                    });
+                }
+                r.extend(byte_cells(&s.bytes, true));
+                r
             })
             .collect();
-        let mut width = header.map(str::len);
-        for r in &rows {
-            for (w, cell) in width.iter_mut().zip(r) {
-                *w = (*w).max(cell.len());
-            }
-        }
-        // Text columns left-aligned, numbers right-aligned.
-        let line = |f: &mut fmt::Formatter<'_>, cells: &[&str]| -> fmt::Result {
-            let mut s = String::new();
-            for (k, (cell, w)) in cells.iter().zip(width).enumerate() {
-                if k > 0 {
-                    s.push_str("  ");
-                }
-                if (1..=3).contains(&k) {
-                    s.push_str(&format!("{cell:<w$}"));
-                } else {
-                    s.push_str(&format!("{cell:>w$}"));
-                }
-            }
-            writeln!(f, "{}", s.trim_end())
-        };
-        line(f, &header)?;
-        for r in &rows {
-            line(f, &r.each_ref().map(String::as_str))?;
+        let text = if offloading { 1..=4 } else { 1..=3 };
+        table(f, &header, &rows, text)?;
+        if !self.experts.is_empty() {
+            writeln!(f, "expert workers:")?;
+            let header = [
+                "worker", "device", "layers", "weights", "compute", "total", "budget", "free",
+                "use",
+            ];
+            let rows: Vec<Vec<String>> = self
+                .experts
+                .iter()
+                .map(|e| {
+                    let mut r = vec![e.worker.clone(), e.device.clone(), fmt_layers(&e.layers)];
+                    r.extend(byte_cells(&e.bytes, false));
+                    r
+                })
+                .collect();
+            table(f, &header, &rows, 0..=2)?;
         }
         if !self.notes.is_empty() {
             writeln!(f, "notes:")?;
@@ -868,4 +1484,54 @@ impl fmt::Display for Plan {
         }
         Ok(())
     }
+}
+
+/// weights, [KV,] compute, total, budget, free, use.
+fn byte_cells(b: &StageBytes, kv: bool) -> Vec<String> {
+    let mut r = vec![fmt_bytes(b.weights)];
+    if kv {
+        r.push(fmt_bytes(b.kv));
+    }
+    r.extend([
+        fmt_bytes(b.compute),
+        fmt_bytes(b.total),
+        fmt_bytes(b.budget),
+        fmt_bytes(b.free),
+        format!("{:.0}%", ratio(b.total, b.budget) * 100.0),
+    ]);
+    r
+}
+
+/// Columns in `text` left-aligned, the numbers right-aligned.
+fn table(
+    f: &mut fmt::Formatter<'_>,
+    header: &[&str],
+    rows: &[Vec<String>],
+    text: std::ops::RangeInclusive<usize>,
+) -> fmt::Result {
+    let mut width: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (w, cell) in width.iter_mut().zip(r) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let line = |f: &mut fmt::Formatter<'_>, cells: &mut dyn Iterator<Item = &str>| {
+        let mut s = String::new();
+        for (k, (cell, &w)) in cells.zip(&width).enumerate() {
+            if k > 0 {
+                s.push_str("  ");
+            }
+            if text.contains(&k) {
+                s.push_str(&format!("{cell:<w$}"));
+            } else {
+                s.push_str(&format!("{cell:>w$}"));
+            }
+        }
+        writeln!(f, "{}", s.trim_end())
+    };
+    line(f, &mut header.iter().copied())?;
+    for r in rows {
+        line(f, &mut r.iter().map(String::as_str))?;
+    }
+    Ok(())
 }

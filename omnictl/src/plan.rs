@@ -4,7 +4,9 @@
 
 use anyhow::Context;
 use clap::Args;
-use omni_coordinator::plan::{parse_size, plan, PlanConfig, Split, WorkerSpec};
+use omni_coordinator::plan::{
+    parse_size, plan_with_experts, ExpertPolicy, Plan, PlanConfig, Split, WorkerSpec,
+};
 use omni_engine::ModelFile;
 
 #[derive(Args, Debug)]
@@ -17,6 +19,18 @@ pub struct PlanArgs {
     /// workers w0, w1, ...; the name is everything before the last ':'.
     #[arg(long, value_delimiter = ',', required = true)]
     pub devices: Vec<String>,
+    /// Expert workers that can run MoE layers' routed experts, each
+    /// NAME:SIZE (e.g. numa0:256GiB,numa1:256GiB). They become c0, c1, ...
+    #[arg(long, value_delimiter = ',')]
+    pub expert_devices: Vec<String>,
+    /// Where routed experts run: auto (on the devices when the model fits
+    /// them, else as few layers' as possible on the expert workers), device
+    /// or cpu (all on the expert workers).
+    #[arg(long, value_enum, default_value_t = ExpertPolicy::Auto)]
+    pub experts: ExpertPolicy,
+    /// Routed experts of each offloaded layer its device stage holds as well.
+    #[arg(long, default_value_t = 0)]
+    pub gpu_experts: u32,
     /// Context length of one sequence.
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
@@ -42,6 +56,15 @@ pub struct PlanArgs {
 
 /// `NAME:SIZE` entries to workers `w0`, `w1`, ...
 pub fn parse_devices(devices: &[String]) -> anyhow::Result<Vec<WorkerSpec>> {
+    parse_workers(devices, "w")
+}
+
+/// `NAME:SIZE` entries to expert workers `c0`, `c1`, ...
+pub fn parse_expert_devices(devices: &[String]) -> anyhow::Result<Vec<WorkerSpec>> {
+    parse_workers(devices, "c")
+}
+
+fn parse_workers(devices: &[String], prefix: &str) -> anyhow::Result<Vec<WorkerSpec>> {
     devices
         .iter()
         .enumerate()
@@ -52,7 +75,7 @@ pub fn parse_devices(devices: &[String]) -> anyhow::Result<Vec<WorkerSpec>> {
                 .with_context(|| format!("device '{d}' needs a name and a size, like cpu:6GiB"))?;
             let bytes = parse_size(size).map_err(|e| anyhow::anyhow!("device '{d}': {e}"))?;
             Ok(WorkerSpec {
-                id: format!("w{i}"),
+                id: format!("{prefix}{i}"),
                 device: name.to_string(),
                 free_bytes: bytes,
                 total_bytes: bytes,
@@ -62,7 +85,19 @@ pub fn parse_devices(devices: &[String]) -> anyhow::Result<Vec<WorkerSpec>> {
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
+    let p = make_plan(args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+    } else {
+        print!("{p}");
+    }
+    Ok(())
+}
+
+/// The plan the arguments ask for.
+pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
     let workers = parse_devices(&args.devices)?;
+    let expert_workers = parse_expert_devices(&args.expert_devices)?;
     let path = crate::resolve_model(&args.model)?;
     let model =
         ModelFile::open(&path).with_context(|| format!("cannot plan {}", path.display()))?;
@@ -76,14 +111,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
             (None, Some(l)) => Some(Split::Layers(l.clone())),
             (None, None) => None,
         },
+        experts: args.experts,
+        gpu_experts: args.gpu_experts,
     };
-    let p = plan(&model, &workers, &cfg)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&p)?);
-    } else {
-        print!("{p}");
-    }
-    Ok(())
+    Ok(plan_with_experts(&model, &workers, &expert_workers, &cfg)?)
 }
 
 #[cfg(test)]
@@ -103,5 +134,114 @@ mod tests {
         assert!(e.contains("'cpu'"), "{e}");
         let e = parse_devices(&["cpu:lots".into()]).unwrap_err().to_string();
         assert!(e.contains("cpu:lots") && e.contains("'lots'"), "{e}");
+
+        let cs = parse_expert_devices(&["numa0:256GiB".into(), "numa1:1TiB".into()]).unwrap();
+        assert_eq!(cs[0].id, "c0");
+        assert_eq!(cs[0].device, "numa0");
+        assert_eq!(cs[0].free_bytes, 256 << 30);
+        assert_eq!(cs[1].id, "c1");
+        assert_eq!(cs[1].free_bytes, 1 << 40);
+        let e = parse_expert_devices(&[":1GiB".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("':1GiB'"), "{e}");
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        plan: PlanArgs,
+    }
+
+    fn args(line: &[&str]) -> Result<PlanArgs, clap::Error> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("plan").chain(line.iter().copied())).map(|c| c.plan)
+    }
+
+    fn tiny_deepseek2() -> String {
+        let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let dir = std::env::var_os("OMNI_FIXTURES_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| manifest.join("../../shared/fixtures"));
+        dir.join("synthetic/tiny-deepseek2-mla-f32.gguf")
+            .display()
+            .to_string()
+    }
+
+    #[test]
+    fn expert_flags_parse_with_their_defaults() {
+        let a = args(&["-m", "x.gguf", "--devices", "cpu:6GiB"]).unwrap();
+        assert_eq!(a.experts, ExpertPolicy::Auto);
+        assert_eq!(a.gpu_experts, 0);
+        assert!(a.expert_devices.is_empty());
+        let a = args(&[
+            "-m",
+            "x.gguf",
+            "--devices",
+            "cuda:0:24GiB",
+            "--expert-devices",
+            "numa0:256GiB,numa1:256GiB",
+            "--experts",
+            "cpu",
+            "--gpu-experts",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(a.experts, ExpertPolicy::Cpu);
+        assert_eq!(a.gpu_experts, 2);
+        assert_eq!(a.expert_devices, ["numa0:256GiB", "numa1:256GiB"]);
+        for (flag, want) in [
+            ("auto", ExpertPolicy::Auto),
+            ("device", ExpertPolicy::Device),
+        ] {
+            let a = args(&["-m", "x", "--devices", "cpu:1GiB", "--experts", flag]).unwrap();
+            assert_eq!(a.experts, want);
+        }
+        let e = args(&["-m", "x", "--devices", "cpu:1GiB", "--experts", "gpu"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("gpu") && e.contains("auto"), "{e}");
+    }
+
+    /// `--experts cpu` on the tiny DeepSeek file: every MoE layer's experts
+    /// on c0, and the JSON carries them.
+    #[test]
+    fn the_json_plan_carries_the_offloaded_experts() {
+        let model = tiny_deepseek2();
+        let a = args(&[
+            "-m",
+            &model,
+            "--devices",
+            "cpu:1GiB,cpu:1GiB",
+            "--expert-devices",
+            "numa0:1GiB",
+            "--experts",
+            "cpu",
+            "--ctx",
+            "256",
+            "--seqs",
+            "1",
+        ])
+        .unwrap();
+        let p = make_plan(&a).unwrap();
+        let json: serde_json::Value = serde_json::to_value(&p).unwrap();
+        assert_eq!(json["config"]["experts"], "cpu");
+        assert_eq!(json["config"]["gpu_experts"], 0);
+        assert_eq!(json["experts"][0]["worker"], "c0");
+        assert_eq!(json["experts"][0]["device"], "numa0");
+        assert_eq!(json["experts"][0]["layers"], serde_json::json!([1, 2, 3]));
+        let out: Vec<serde_json::Value> = json["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["offloaded"].as_array().unwrap().clone())
+            .collect();
+        assert_eq!(out, [1, 2, 3]);
+
+        // The same without expert workers is refused, saying what is missing.
+        let a = args(&["-m", &model, "--devices", "cpu:1GiB", "--experts", "cpu"]).unwrap();
+        let e = make_plan(&a).unwrap_err().to_string();
+        assert!(e.contains("--expert-devices"), "{e}");
     }
 }

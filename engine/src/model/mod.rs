@@ -443,6 +443,31 @@ impl ModelFile {
         }
         total
     }
+
+    /// Bytes of layer `il`'s routed-expert tensors (`ffn_{gate,up,down}_exps`,
+    /// the `mul_mat_id` weights an expert worker can hold instead of the
+    /// layer's stage), from the tensor table; 0 for a dense layer or a layer
+    /// past the last.
+    pub fn expert_weight_bytes(&self, il: u32) -> u64 {
+        let hp = &self.hparams;
+        if il >= hp.n_layer {
+            return 0;
+        }
+        hp.arch
+            .expert_tensors(hp, il)
+            .iter()
+            .filter_map(|s| self.gguf.tensor(&format!("blk.{il}.{}", s.name)))
+            .map(|t| t.size)
+            .sum()
+    }
+
+    /// The layers with routed experts, ascending (empty for a dense model).
+    pub fn expert_layers(&self) -> Vec<u32> {
+        let hp = &self.hparams;
+        (0..hp.n_layer)
+            .filter(|&il| !hp.arch.expert_tensors(hp, il).is_empty())
+            .collect()
+    }
 }
 
 fn key(arch: Arch, k: &str) -> String {
@@ -664,4 +689,64 @@ fn graph_nodes_bound(hp: &Hparams) -> usize {
         .map_or(0, |m| 24 + 2 * m.n_expert_used as usize);
     let mla = if hp.mla.is_some() { 32 } else { 0 };
     32 + hp.n_layer as usize * (48 + moe + mla)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stage::LayerRange;
+
+    /// A synthetic fixture from `../shared/fixtures` beside the checkout (or `OMNI_FIXTURES_DIR`).
+    fn synthetic(file: &str) -> Arc<ModelFile> {
+        let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let dir = match std::env::var_os("OMNI_FIXTURES_DIR") {
+            Some(d) => std::path::PathBuf::from(d),
+            None => [
+                manifest.join("../../shared/fixtures"),
+                manifest.join("../shared/fixtures"),
+            ]
+            .into_iter()
+            .find(|d| d.join("README.md").exists())
+            .expect("fixtures: ../shared/fixtures beside the checkout, or OMNI_FIXTURES_DIR"),
+        };
+        ModelFile::open(dir.join("synthetic").join(file)).unwrap()
+    }
+
+    /// Expert bytes are exactly the three `ffn_*_exps` tensors of each MoE
+    /// layer; dense layers (deepseek2's leading one) and layers past the
+    /// last have none.
+    #[test]
+    fn expert_bytes_are_the_exps_tensors_of_moe_layers() {
+        for (file, want_layers) in [
+            ("tiny-qwen3moe-f32.gguf", vec![0, 1, 2, 3]),
+            ("tiny-qwen3moe-q4_k_m.gguf", vec![0, 1, 2, 3]),
+            ("tiny-deepseek2-mla-f32.gguf", vec![1, 2, 3]),
+            ("tiny-deepseek2-legacy-q8_0.gguf", vec![1, 2, 3]),
+        ] {
+            let m = synthetic(file);
+            assert_eq!(m.expert_layers(), want_layers, "{file}");
+            let n_expert = u64::from(m.hparams.moe.as_ref().unwrap().n_expert);
+            for il in 0..m.hparams.n_layer {
+                let exps: u64 = ["gate", "up", "down"]
+                    .iter()
+                    .filter_map(|p| m.gguf.tensor(&format!("blk.{il}.ffn_{p}_exps.weight")))
+                    .map(|t| t.size)
+                    .sum();
+                let got = m.expert_weight_bytes(il);
+                assert_eq!(got, exps, "{file} layer {il}");
+                assert_eq!(got > 0, want_layers.contains(&il), "{file} layer {il}");
+                assert_eq!(got % n_expert, 0, "{file}: every expert the same size");
+                let layer = m.range_weight_bytes(&LayerRange {
+                    embed: false,
+                    layers: il..il + 1,
+                    head: false,
+                });
+                assert!(
+                    got < layer,
+                    "{file} layer {il}: the layer holds more than its experts"
+                );
+            }
+            assert_eq!(m.expert_weight_bytes(m.hparams.n_layer), 0);
+        }
+    }
 }
