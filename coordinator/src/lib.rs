@@ -348,12 +348,15 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         let (id, addr) = (w.id.clone(), w.addr.clone());
         expert_loads.push(tokio::spawn(async move {
             let ch = channel(&addr).await?;
-            let r = ExpertsClient::new(ch).load_experts(req).await.map_err(|s| {
-                anyhow::anyhow!(
-                    "expert worker {id} ({addr}) could not load its experts: {}",
-                    s.message()
-                )
-            })?;
+            let r = ExpertsClient::new(ch)
+                .load_experts(req)
+                .await
+                .map_err(|s| {
+                    anyhow::anyhow!(
+                        "expert worker {id} ({addr}) could not load its experts: {}",
+                        s.message()
+                    )
+                })?;
             anyhow::Ok(r.into_inner())
         }));
     }
@@ -457,7 +460,11 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             kv_bytes: lr.kv_bytes,
             compute_bytes: lr.compute_bytes,
             worker_addr: w.addr.clone(),
-            offloaded: plan::fmt_layers(&st.offloaded),
+            offloaded: if st.offloaded.is_empty() {
+                String::new()
+            } else {
+                plan::fmt_layers(&st.offloaded)
+            },
             expert_transports: r.expert_transports.clone(),
         });
         for (route, how) in routes.iter().zip(&r.expert_transports) {

@@ -13,7 +13,8 @@ use crate::numa::Binding;
 use omni_engine::{ExpertConfig, ExpertStage, ModelFile};
 use omni_proto::coordinator::v1::WorkerKind;
 use omni_proto::worker::v1::{
-    experts_server, Frame, Inventory, LoadExpertsReply, LoadExpertsRequest, OpenShmReply, OpenShmRequest,
+    experts_server, Frame, Inventory, LoadExpertsReply, LoadExpertsRequest, OpenShmReply,
+    OpenShmRequest,
 };
 use omni_transport::experts::{accept_shm, decode_request, encode_reply, ring_bytes};
 use omni_transport::shm::ShmError;
@@ -287,9 +288,10 @@ impl Worker {
     /// Hands a call to the compute thread; without experts loaded it is
     /// answered at once with the reason.
     fn submit(&self, frame: Frame, reply: Box<dyn FnOnce(Frame) + Send>) {
-        self.stats
-            .bytes_in
-            .fetch_add((frame.meta.len() + frame.payload.len()) as u64, Ordering::Relaxed);
+        self.stats.bytes_in.fetch_add(
+            (frame.meta.len() + frame.payload.len()) as u64,
+            Ordering::Relaxed,
+        );
         let guard = self.loaded.lock().unwrap();
         match guard.as_ref() {
             Some(l) => {
@@ -346,7 +348,12 @@ impl Worker {
             "Sessions opened by stages",
             ConstCounter::new(self.sessions.load(Ordering::Relaxed)),
         );
-        let n_layers = self.loaded.lock().unwrap().as_ref().map_or(0, |l| l.layers.len());
+        let n_layers = self
+            .loaded
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |l| l.layers.len());
         r.register(
             "layers",
             "Layers whose experts are loaded",
@@ -369,7 +376,9 @@ fn compute_loop(
         let t = Instant::now();
         let (out, ok) = match decode_request(&job.frame, n_embd) {
             Ok(req) => {
-                stats.tokens.fetch_add(req.n_tokens as u64, Ordering::Relaxed);
+                stats
+                    .tokens
+                    .fetch_add(req.n_tokens as u64, Ordering::Relaxed);
                 match stage.run(req.layer, &req.x, &req.ids, &req.weights) {
                     Ok(v) => (encode_reply(req.id, req.layer, Ok(&v)), true),
                     Err(e) => (encode_reply(req.id, req.layer, Err(&e.to_string())), false),
@@ -382,16 +391,18 @@ fn compute_loop(
         stats
             .compute_us
             .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-        stats
-            .bytes_out
-            .fetch_add((out.meta.len() + out.payload.len()) as u64, Ordering::Relaxed);
+        stats.bytes_out.fetch_add(
+            (out.meta.len() + out.payload.len()) as u64,
+            Ordering::Relaxed,
+        );
         (job.reply)(out);
     }
 }
 
 struct Svc(Arc<Worker>);
 
-type ReplyStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Frame, Status>> + Send>>;
+type ReplyStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Frame, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl experts_server::Experts for Svc {

@@ -2,11 +2,11 @@
 //! frame that reaches the inbox, in arrival order, then hands the result to
 //! the next stage (hidden state) or back to the coordinator (sampled tokens).
 
+use crate::experts::RemoteExperts;
 use crossbeam_channel::Receiver;
 use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplingParams};
 use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
 use omni_proto::worker::v1::{ExpertUse, Sampled, StageTime, Step, TopLogprob};
-use crate::experts::RemoteExperts;
 use omni_transport::{Frame, Outbox};
 use prost::Message;
 use std::collections::HashMap;
@@ -58,17 +58,28 @@ pub struct Exec {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// Where a stage's frames come from and go, and its expert workers (set
+/// by `Wire`, after the stage is loaded).
+pub struct Links {
+    pub inbox: Receiver<Frame>,
+    pub outbox: Arc<Mutex<Option<Outbox>>>,
+    pub experts: Arc<Mutex<Option<RemoteExperts>>>,
+}
+
 impl Exec {
     pub fn start(
         stage: Stage,
         stage_index: u32,
         hidden_dtype: HiddenDtype,
-        inbox: Receiver<Frame>,
-        outbox: Arc<Mutex<Option<Outbox>>>,
-        experts: Arc<Mutex<Option<RemoteExperts>>>,
+        links: Links,
         device_experts: DeviceExperts,
         stats: Arc<ExecStats>,
     ) -> Exec {
+        let Links {
+            inbox,
+            outbox,
+            experts,
+        } = links;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = std::thread::Builder::new()
@@ -145,7 +156,9 @@ impl StageRun {
     /// so a step never sees a half-changed set.
     fn refresh_experts(&mut self) {
         let steps = self.stats.steps.load(Ordering::Relaxed);
-        if self.stage.offloaded_layers().is_empty() || steps % self.device_experts.every.max(1) != 0 {
+        if self.stage.offloaded_layers().is_empty()
+            || !steps.is_multiple_of(self.device_experts.every.max(1))
+        {
             return;
         }
         let k = self.device_experts.k;

@@ -56,10 +56,7 @@ impl ExpertExec for RemoteExperts {
             .iter()
             .position(|r| r.layers.contains(&b.layer))
             .ok_or_else(|| {
-                EngineError::Experts(format!(
-                    "no expert worker was wired for layer {}",
-                    b.layer
-                ))
+                EngineError::Experts(format!("no expert worker was wired for layer {}", b.layer))
             })?;
         self.routes[i]
             .link

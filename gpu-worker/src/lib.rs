@@ -11,16 +11,16 @@ pub mod experts;
 pub mod inventory;
 
 use exec::{Exec, ExecStats};
+use experts::RemoteExperts;
 use omni_engine::model::ModelFile;
 use omni_engine::stage::{HiddenDtype, LayerRange, Stage, StageConfig};
 use omni_engine::KvConfig;
 use omni_proto::coordinator::v1::WorkerKind;
-use omni_transport::registry::{listen, register};
 use omni_proto::worker::v1::{
     worker_server, Endpoint, Inventory, LoadReply, LoadRequest, StatusReply, StatusRequest,
     Transport, WireReply, WireRequest,
 };
-use experts::RemoteExperts;
+use omni_transport::registry::{listen, register};
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -230,10 +230,7 @@ impl worker_server::Worker for Svc {
             });
         }
         *self.0.experts.lock().unwrap() = (!routes.is_empty()).then(|| {
-            RemoteExperts::new(
-                routes,
-                Duration::from_secs_f64(self.0.cfg.expert_timeout),
-            )
+            RemoteExperts::new(routes, Duration::from_secs_f64(self.0.cfg.expert_timeout))
         });
         *self.0.outbox.lock().unwrap() = Some(outbox);
         Ok(Response::new(WireReply {
@@ -262,7 +259,13 @@ impl worker_server::Worker for Svc {
             steps: w.stats.steps.load(Ordering::Relaxed),
             last_step_ms: w.stats.last_step_us.load(Ordering::Relaxed) as f64 / 1e3,
             experts: w.stats.experts.lock().unwrap().clone(),
-            bytes_received: w.inbox.lock().unwrap().stats.bytes_received.load(Ordering::Relaxed),
+            bytes_received: w
+                .inbox
+                .lock()
+                .unwrap()
+                .stats
+                .bytes_received
+                .load(Ordering::Relaxed),
             expert_bytes_sent: link_stats(|s| &s.bytes_sent),
             expert_bytes_received: link_stats(|s| &s.bytes_received),
             expert_calls: link_stats(|s| &s.frames_sent),
@@ -349,7 +352,8 @@ impl Worker {
         );
         if let Some(x) = self.experts.lock().unwrap().as_ref() {
             for route in x.routes() {
-                let sub = r.sub_registry_with_label(("expert_worker".into(), route.worker.clone().into()));
+                let sub = r
+                    .sub_registry_with_label(("expert_worker".into(), route.worker.clone().into()));
                 let st = &route.link.stats;
                 sub.register(
                     "expert_bytes_sent",
@@ -447,9 +451,11 @@ impl Worker {
             stage,
             req.stage,
             dtype,
-            inbox.receiver().clone(),
-            self.outbox.clone(),
-            self.experts.clone(),
+            exec::Links {
+                inbox: inbox.receiver().clone(),
+                outbox: self.outbox.clone(),
+                experts: self.experts.clone(),
+            },
             exec::DeviceExperts {
                 k: req.gpu_experts as usize,
                 every: self.cfg.expert_reselect_steps,

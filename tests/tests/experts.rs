@@ -112,7 +112,10 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
                 .iter()
                 .flat_map(|s| parse_layers(&s.offloaded))
                 .collect();
-            assert_eq!(offloaded, moe, "{name}: every MoE layer's experts leave the stages");
+            assert_eq!(
+                offloaded, moe,
+                "{name}: every MoE layer's experts leave the stages"
+            );
             assert_eq!(info.expert_workers.len(), 1);
             assert_eq!(info.expert_workers[0].worker_id, "c0");
             assert_eq!(parse_layers(&info.expert_workers[0].layers), moe);
@@ -121,7 +124,11 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
                 assert_eq!(s.expert_transports.len(), want, "{name}: {s:?}");
                 assert!(s.expert_transports.iter().all(|t| t == transport), "{s:?}");
             }
-            assert!(info.plan.contains("c0"), "the plan names the expert worker:\n{}", info.plan);
+            assert!(
+                info.plan.contains("c0"),
+                "the plan names the expert worker:\n{}",
+                info.plan
+            );
             for (prompt, want) in generations(name) {
                 let ev = c
                     .generate(greedy(&prompt, want.len()))
@@ -216,7 +223,11 @@ fn statuses(c: &Cluster) -> Vec<omni_proto::worker::v1::StatusReply> {
 #[test]
 fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens() {
     let _g = serial();
-    for name in ["qwen3moe-f32", "deepseek2-mla-q8_0", "deepseek2-legacy-q4_k_m"] {
+    for name in [
+        "qwen3moe-f32",
+        "deepseek2-mla-q8_0",
+        "deepseek2-legacy-q4_k_m",
+    ] {
         let path = file(name);
         let mut spec = expert_spec("shm", &["--experts", "cpu", "--gpu-experts", "4"]);
         spec.worker_args = vec![vec!["--expert-reselect-steps".into(), "4".into()]; 2];
@@ -234,11 +245,21 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
         for s in &st {
             for u in &s.experts {
                 layers += 1;
-                assert_eq!(u.on_device.len(), 4, "{name}: layer {} keeps 4: {u:?}", u.layer);
+                assert_eq!(
+                    u.on_device.len(),
+                    4,
+                    "{name}: layer {} keeps 4: {u:?}",
+                    u.layer
+                );
                 // They are among the most used: none left out is used more
                 // than the least used kept one by more than what came after
                 // the last choice (statistics keep growing; 4 steps here).
-                let least_kept = u.on_device.iter().map(|&e| u.counts[e as usize]).min().unwrap();
+                let least_kept = u
+                    .on_device
+                    .iter()
+                    .map(|&e| u.counts[e as usize])
+                    .min()
+                    .unwrap();
                 let most_left = (0..u.counts.len() as u32)
                     .filter(|e| !u.on_device.contains(e))
                     .map(|e| u.counts[e as usize])
@@ -253,7 +274,11 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
                 );
             }
         }
-        assert_eq!(layers, moe_layers(&path).len(), "{name}: every offloaded layer reported");
+        assert_eq!(
+            layers,
+            moe_layers(&path).len(),
+            "{name}: every offloaded layer reported"
+        );
         let sent_before: u64 = st.iter().map(|s| s.expert_bytes_sent).sum();
         let tokens_before: u64 = st[0].tokens;
         // Second pass: device experts from the first step on; same tokens.
@@ -273,5 +298,81 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
             per_token_second <= per_token_first,
             "{name}: no more work reaches the expert worker ({per_token_first:.0} -> {per_token_second:.0} B/token)"
         );
+    }
+}
+
+/// Devices too small for every layer with its experts: the coordinator's
+/// plan keeps experts with their layers while they fit and sends the rest
+/// to the expert worker, layer by layer, saying why; the tokens are
+/// llama.cpp's. The memory offered is worked out from the file with the
+/// same planner, so that one MoE layer's experts too many do not fit.
+#[test]
+fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
+    use omni_coordinator::plan::{plan_with_experts, ExpertPolicy, PlanConfig, WorkerSpec};
+    let _g = serial();
+    for name in ["deepseek2-mla-f32", "qwen3moe-q8_0"] {
+        let path = file(name);
+        let model = omni_engine::ModelFile::open(&path).unwrap();
+        let cfg = PlanConfig {
+            n_ctx: 256,
+            n_seq: 1,
+            n_ubatch: 64,
+            experts: ExpertPolicy::Auto,
+            ..PlanConfig::default()
+        };
+        let spec = |id: &str, bytes: u64| WorkerSpec {
+            id: id.into(),
+            device: "cpu".into(),
+            free_bytes: bytes,
+            total_bytes: bytes,
+        };
+        let roomy = [spec("w0", 1 << 40), spec("w1", 1 << 40)];
+        let whole = plan_with_experts(&model, &roomy, &[], &cfg).unwrap();
+        let need = whole.stages.iter().map(|s| s.bytes.total).max().unwrap();
+        let one_layer = model.expert_weight_bytes(moe_layers(&path)[0]);
+        // Half a layer's experts short of what the fuller stage needs, before headroom.
+        let offer = ((need - one_layer / 2) as f64 / (1.0 - cfg.headroom)) as u64;
+        let tight = [spec("w0", offer), spec("w1", offer)];
+        let expected = plan_with_experts(&model, &tight, &[spec("c0", 1 << 30)], &cfg).unwrap();
+        let want_offloaded: Vec<Vec<u32>> = expected
+            .stages
+            .iter()
+            .map(|s| s.offloaded.clone())
+            .collect();
+        let n_off: usize = want_offloaded.iter().map(Vec::len).sum();
+        assert!(
+            n_off > 0 && n_off < moe_layers(&path).len(),
+            "{name}: the test wants some experts kept and some offloaded: {want_offloaded:?}"
+        );
+
+        let mut cs = expert_spec("shm", &["--ubatch", "64"]);
+        cs.ctx = 256;
+        cs.seqs = 1;
+        cs.worker_args = vec![vec!["--memory".into(), offer.to_string()]; 2];
+        cs.cpu_worker_args = vec![vec!["--memory".into(), "1GiB".into()]];
+        let c = Cluster::start(&path, &cs);
+        let info = c.info().unwrap();
+        let got: Vec<Vec<u32>> = info
+            .stages
+            .iter()
+            .map(|s| parse_layers(&s.offloaded))
+            .collect();
+        assert_eq!(
+            got, want_offloaded,
+            "{name}: the plan the coordinator made\n{}",
+            info.plan
+        );
+        assert!(
+            info.plan.contains("go to c0: with them stage"),
+            "{name}: the plan says why:\n{}",
+            info.plan
+        );
+        for (prompt, want) in generations(name) {
+            let ev = c
+                .generate(greedy(&prompt, want.len()))
+                .unwrap_or_else(|e| panic!("{name}: {e}\n{}", c.logs()));
+            assert_eq!(ids(&ev), want, "{name}, experts partly on c0");
+        }
+        eprintln!("{name}: offered {offer} B per device: offloaded {got:?}; llama.cpp's tokens");
     }
 }

@@ -299,15 +299,16 @@ impl ExpertLink {
         .encode();
         let n = (frame.meta.len() + frame.payload.len()) as u64;
         match &mut self.kind {
-            Kind::Shm { tx, .. } => tx
-                .send(&frame.meta, &frame.payload, SEND_TIMEOUT)
-                .map_err(|e| match e {
-                    ShmError::PeerClosed { .. } => ExpertLinkError::Gone {
-                        worker: self.worker.clone(),
-                        why: e.to_string(),
-                    },
-                    e => e.into(),
-                })?,
+            Kind::Shm { tx, .. } => {
+                tx.send(&frame.meta, &frame.payload, SEND_TIMEOUT)
+                    .map_err(|e| match e {
+                        ShmError::PeerClosed { .. } => ExpertLinkError::Gone {
+                            worker: self.worker.clone(),
+                            why: e.to_string(),
+                        },
+                        e => e.into(),
+                    })?
+            }
             Kind::Grpc { tx, rx } => {
                 if let Err(e) = tx.try_send(frame) {
                     // The stream task is gone: say why when it told us.
@@ -464,7 +465,11 @@ mod tests {
 
     #[test]
     fn requests_round_trip_and_bad_lengths_are_named() {
-        let (x, ids, w) = (vec![1.5f32, -2.0, 3.25, 0.0], vec![3i32, 1], vec![0.75f32, 0.25]);
+        let (x, ids, w) = (
+            vec![1.5f32, -2.0, 3.25, 0.0],
+            vec![3i32, 1],
+            vec![0.75f32, 0.25],
+        );
         let f = ExpertRequest {
             id: 7,
             layer: 2,
@@ -479,7 +484,10 @@ mod tests {
         assert_eq!((d.id, d.layer, d.n_tokens, d.n_used), (7, 2, 2, 1));
         assert_eq!((d.x, d.ids, d.weights), (x, ids, w));
         let e = decode_request(&f, 3).unwrap_err();
-        assert!(e.contains("needs 40 payload bytes (width 3), got 32"), "{e}");
+        assert!(
+            e.contains("needs 40 payload bytes (width 3), got 32"),
+            "{e}"
+        );
         let bad = Frame {
             meta: vec![0xff, 0xff],
             payload: Vec::new(),
