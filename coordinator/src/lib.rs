@@ -258,12 +258,19 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
                     .chain(&expert_workers)
                     .map(|w| format!("{} at {}", w.id, w.addr))
                     .collect();
+                let experts = if cfg.cpu_workers > 0 {
+                    format!(
+                        " and {} of {} expert workers",
+                        expert_workers.len(),
+                        cfg.cpu_workers
+                    )
+                } else {
+                    String::new()
+                };
                 anyhow::bail!(
-                    "only {} of {} workers and {} of {} expert workers registered within {:.0}s{}",
+                    "only {} of {} workers{experts} registered within {:.0}s{}",
                     workers.len(),
                     cfg.workers,
-                    expert_workers.len(),
-                    cfg.cpu_workers,
                     cfg.register_timeout,
                     if names.is_empty() {
                         String::new()

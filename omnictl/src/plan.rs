@@ -1,6 +1,9 @@
 //! `omnictl plan`: shows how a model would be split across devices, and the
 //! arithmetic behind it, without loading anything. The same planner the
-//! coordinator runs before it asks any worker to load.
+//! coordinator runs before it asks any worker to load. With
+//! `--coordinator ADDR` it shows a running cluster's plan instead, with the
+//! routing statistics of every offloaded layer and the experts its stage
+//! keeps (`--gpu-experts`).
 
 use anyhow::Context;
 use clap::Args;
@@ -12,13 +15,17 @@ use omni_engine::ModelFile;
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// GGUF path or known model name.
-    #[arg(long, short)]
-    pub model: String,
+    #[arg(long, short, required_unless_present = "coordinator")]
+    pub model: Option<String>,
     /// The devices in pipeline order, each NAME:SIZE with the memory it offers
     /// (e.g. cpu:6GiB,cpu:2GiB or cuda:0:20GiB,cuda:1:8GiB). They become
     /// workers w0, w1, ...; the name is everything before the last ':'.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "coordinator")]
     pub devices: Vec<String>,
+    /// Show the plan of the cluster this coordinator runs, with each
+    /// offloaded layer's routing statistics and device experts.
+    #[arg(long, conflicts_with_all = ["model", "devices", "expert_devices"])]
+    pub coordinator: Option<String>,
     /// Expert workers that can run MoE layers' routed experts, each
     /// NAME:SIZE (e.g. numa0:256GiB,numa1:256GiB). They become c0, c1, ...
     #[arg(long, value_delimiter = ',')]
@@ -85,6 +92,9 @@ fn parse_workers(devices: &[String], prefix: &str) -> anyhow::Result<Vec<WorkerS
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
+    if let Some(addr) = &args.coordinator {
+        return live(addr, args.json);
+    }
     let p = make_plan(args)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
@@ -98,7 +108,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
 pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
     let workers = parse_devices(&args.devices)?;
     let expert_workers = parse_expert_devices(&args.expert_devices)?;
-    let path = crate::resolve_model(&args.model)?;
+    let path = crate::resolve_model(args.model.as_deref().context("--model is needed")?)?;
     let model =
         ModelFile::open(&path).with_context(|| format!("cannot plan {}", path.display()))?;
     let cfg = PlanConfig {
@@ -115,6 +125,76 @@ pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
         gpu_experts: args.gpu_experts,
     };
     Ok(plan_with_experts(&model, &workers, &expert_workers, &cfg)?)
+}
+
+/// A running cluster's plan, and where each offloaded layer's experts run
+/// now: the experts its stage keeps and the most used ones.
+fn live(addr: &str, json: bool) -> anyhow::Result<()> {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let timeout = std::time::Duration::from_secs(5);
+    let info = rt.block_on(crate::remote::info(addr, timeout))?;
+    let mut layers = Vec::new();
+    for s in &info.stages {
+        let st = rt.block_on(async {
+            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr)).await?;
+            anyhow::Ok(w.status(StatusRequest {}).await?.into_inner())
+        });
+        let st = st.with_context(|| format!("cannot read worker {}'s status", s.worker_id))?;
+        for u in st.experts {
+            layers.push((s.worker_id.clone(), u));
+        }
+    }
+    if json {
+        let v: Vec<_> = layers
+            .iter()
+            .map(|(w, u)| {
+                serde_json::json!({
+                    "worker": w, "layer": u.layer, "on_device": u.on_device, "counts": u.counts,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "plan": info.plan, "state": info.state, "offloaded_layers": v,
+            }))?
+        );
+        return Ok(());
+    }
+    print!("{}", info.plan);
+    if layers.is_empty() {
+        return Ok(());
+    }
+    println!("offloaded layers now (routing statistics since load):");
+    println!(
+        "{:<8} {:>5} {:>9}  {:<24} most used (expert:count)",
+        "worker", "layer", "routed", "on the device"
+    );
+    for (w, u) in &layers {
+        let mut top: Vec<(usize, u64)> = u.counts.iter().copied().enumerate().collect();
+        top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let top: Vec<String> = top
+            .iter()
+            .take(8)
+            .filter(|(_, n)| *n > 0)
+            .map(|(e, n)| format!("{e}:{n}"))
+            .collect();
+        let kept = if u.on_device.is_empty() {
+            "none".to_string()
+        } else {
+            format!("{:?}", u.on_device)
+        };
+        println!(
+            "{w:<8} {:>5} {:>9}  {kept:<24} {}",
+            u.layer,
+            u.counts.iter().sum::<u64>(),
+            top.join(" ")
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

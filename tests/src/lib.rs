@@ -295,6 +295,45 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Starts `req`, waits for its first tokens, runs `kill` (which stops
+    /// some process of the cluster) and reads the stream to its end, for
+    /// at most `bound`. Returns the error the stream ended with (None: it
+    /// ended quietly) and how long after `kill` it ended; panics with the
+    /// logs when it did not end within the bound.
+    pub fn kill_mid_stream(
+        &mut self,
+        req: GenerateRequest,
+        kill: impl FnOnce(&mut Cluster),
+        bound: Duration,
+    ) -> (Option<tonic::Status>, Duration) {
+        let mut client = self.client().expect("coordinator reachable");
+        let mut stream = self.rt.block_on(async {
+            let mut stream = client.generate(req).await.unwrap().into_inner();
+            let first = stream.next().await.unwrap().unwrap();
+            assert!(!first.tokens.is_empty(), "the first event carries tokens");
+            stream
+        });
+        kill(self);
+        let t = Instant::now();
+        let end = self.rt.block_on(async {
+            tokio::time::timeout(bound, async {
+                while let Some(ev) = stream.next().await {
+                    if let Err(s) = ev {
+                        return Some(s);
+                    }
+                }
+                None
+            })
+            .await
+        });
+        match end {
+            Ok(e) => (e, t.elapsed()),
+            Err(_) => panic!("the stream did not end within {bound:?}\n{}", self.logs()),
+        }
+    }
+}
+
 /// Reads a Generate stream to its end (with a 5-minute deadline).
 pub async fn collect(
     c: &mut InferenceClient<tonic::transport::Channel>,

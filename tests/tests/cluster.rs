@@ -303,36 +303,11 @@ fn worker_dying_mid_request_ends_the_stream_with_a_clear_error() {
     let _g = serial();
     let mut c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
     let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
-    let mut client = c.client().unwrap();
-    let req = greedy(&prompt, 900);
-    let (first, rest) = c.rt.block_on(async {
-        let mut stream = client.generate(req).await.unwrap().into_inner();
-        use tokio_stream::StreamExt;
-        let first = stream.next().await.unwrap().unwrap();
-        (first, stream)
-    });
-    assert_eq!(first.tokens.len(), 1);
-    c.workers[1].kill9();
-    let t = Instant::now();
-    let end = c.rt.block_on(async {
-        use tokio_stream::StreamExt;
-        let mut stream = rest;
-        tokio::time::timeout(BOUND, async {
-            while let Some(ev) = stream.next().await {
-                if let Err(s) = ev {
-                    return Some(s);
-                }
-            }
-            None
-        })
-        .await
-    });
-    let status = end
-        .expect("the stream must end within the bound")
-        .expect("the stream must end with an error, not quietly");
+    let (status, after) = c.kill_mid_stream(greedy(&prompt, 900), |c| c.workers[1].kill9(), BOUND);
+    let status = status.expect("the stream must end with an error, not quietly");
     eprintln!(
         "worker killed: stream ended after {:.2}s with: {}",
-        t.elapsed().as_secs_f64(),
+        after.as_secs_f64(),
         status.message()
     );
     assert!(

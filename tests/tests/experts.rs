@@ -12,7 +12,7 @@ use omni_tests::fixtures::{fixtures_dir, json};
 use omni_tests::{ids, Cluster, ClusterSpec};
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One cluster at a time: the CI machine has two cores.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -87,9 +87,12 @@ fn parse_layers(s: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Two device workers and one expert worker bound to NUMA node 0 (a
+/// machine without NUMA nodes runs it unbound).
 fn expert_spec(transport: &'static str, coordinator_args: &[&str]) -> ClusterSpec {
     let mut spec = ClusterSpec::new(2, transport);
     spec.cpu_workers = 1;
+    spec.cpu_worker_args = vec![vec!["--numa-node".into(), "0".into()]];
     spec.coordinator_args = coordinator_args.iter().map(|s| s.to_string()).collect();
     spec
 }
@@ -119,6 +122,12 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
             assert_eq!(info.expert_workers.len(), 1);
             assert_eq!(info.expert_workers[0].worker_id, "c0");
             assert_eq!(parse_layers(&info.expert_workers[0].layers), moe);
+            let binding = &info.expert_workers[0].binding;
+            if std::path::Path::new("/sys/devices/system/node/node0").exists() {
+                assert!(binding.starts_with("node 0 ("), "{binding}");
+            } else {
+                assert!(binding.starts_with("unbound ("), "{binding}");
+            }
             for s in &info.stages {
                 let want = usize::from(!s.offloaded.is_empty());
                 assert_eq!(s.expert_transports.len(), want, "{name}: {s:?}");
@@ -154,42 +163,17 @@ fn killing_the_cpu_worker_mid_request_ends_the_stream_with_a_clear_error() {
     let path = file("deepseek2-mla-f32");
     let mut c = Cluster::start(&path, &expert_spec("shm", &["--experts", "cpu"]));
     let (prompt, _) = generations("deepseek2-mla-f32").remove(0);
-    let mut client = c.client().unwrap();
-    let n_ctx = 1024 - prompt.len() - 1;
-    let rest = c.rt.block_on(async {
-        let mut stream = client
-            .generate(greedy(&prompt, n_ctx))
-            .await
-            .unwrap()
-            .into_inner();
-        use tokio_stream::StreamExt;
-        let first = stream.next().await.unwrap().unwrap();
-        assert!(!first.tokens.is_empty());
-        stream
-    });
-    c.cpu_workers[0].kill9();
-    let t = Instant::now();
-    let end = c.rt.block_on(async {
-        use tokio_stream::StreamExt;
-        let mut stream = rest;
-        tokio::time::timeout(Duration::from_secs(60), async {
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Err(s) => return Some(s),
-                    Ok(ev) if ev.done.is_some() => return None,
-                    Ok(_) => {}
-                }
-            }
-            None
-        })
-        .await
-    });
-    let status = end
-        .expect("the stream must end within 60 s")
-        .unwrap_or_else(|| panic!("the stream must end with an error\n{}", c.logs()));
+    let n = 1024 - prompt.len() - 1;
+    let (status, after) = c.kill_mid_stream(
+        greedy(&prompt, n),
+        |c| c.cpu_workers[0].kill9(),
+        Duration::from_secs(60),
+    );
+    let status =
+        status.unwrap_or_else(|| panic!("the stream must end with an error\n{}", c.logs()));
     eprintln!(
         "expert worker killed: the stream ended after {:.2}s with: {}",
-        t.elapsed().as_secs_f64(),
+        after.as_secs_f64(),
         status.message()
     );
     assert!(
@@ -279,6 +263,24 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
             moe_layers(&path).len(),
             "{name}: every offloaded layer reported"
         );
+        // `omnictl plan --coordinator` shows them with the statistics.
+        let out = std::process::Command::new(omni_tests::target_bin("omnictl"))
+            .args(["plan", "--coordinator", &c.addr])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let u = &st[0].experts[0];
+        assert!(
+            text.contains("offloaded layers now") && text.contains(&format!("{:?}", u.on_device)),
+            "{name}: omnictl plan shows layer {}'s device experts {:?}:\n{text}",
+            u.layer,
+            u.on_device
+        );
         let sent_before: u64 = st.iter().map(|s| s.expert_bytes_sent).sum();
         let tokens_before: u64 = st[0].tokens;
         // Second pass: device experts from the first step on; same tokens.
@@ -349,7 +351,7 @@ fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
         cs.ctx = 256;
         cs.seqs = 1;
         cs.worker_args = vec![vec!["--memory".into(), offer.to_string()]; 2];
-        cs.cpu_worker_args = vec![vec!["--memory".into(), "1GiB".into()]];
+        cs.cpu_worker_args[0].extend(["--memory".into(), "1GiB".into()]);
         let c = Cluster::start(&path, &cs);
         let info = c.info().unwrap();
         let got: Vec<Vec<u32>> = info

@@ -194,13 +194,7 @@ impl ExpertLink {
             addr: grpc_addr.to_string(),
             msg: e.to_string(),
         };
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc_addr}"))
-            .map_err(|e| grpc_err(&e))?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .map_err(|e| grpc_err(&e))?;
+        let channel = crate::link::connect_channel(grpc_addr).await?;
         let mut client_rpc = ExpertsClient::new(channel)
             .max_encoding_message_size(256 << 20)
             .max_decoding_message_size(256 << 20);

@@ -270,18 +270,7 @@ impl Outbox {
             }
         }
         let addr = to.grpc_addr.clone();
-        let url = format!("http://{addr}");
-        let grpc_err = |e: &dyn std::fmt::Display| LinkError::Grpc {
-            addr: addr.clone(),
-            msg: e.to_string(),
-        };
-        let channel = tonic::transport::Endpoint::from_shared(url)
-            .map_err(|e| grpc_err(&e))?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .map_err(|e| grpc_err(&e))?;
+        let channel = connect_channel(&addr).await?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Frame>(64);
         let failed = Arc::new(Mutex::new(None));
         let f = failed.clone();
@@ -361,6 +350,21 @@ impl Outbox {
         self.stats.bytes_sent.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// A gRPC channel to `addr` (5 s to connect, no Nagle delay).
+pub(crate) async fn connect_channel(addr: &str) -> Result<tonic::transport::Channel, LinkError> {
+    let grpc_err = |e: &dyn std::fmt::Display| LinkError::Grpc {
+        addr: addr.to_string(),
+        msg: e.to_string(),
+    };
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| grpc_err(&e))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| grpc_err(&e))
 }
 
 /// Removes rings left by omni processes that died without cleaning up
