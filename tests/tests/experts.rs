@@ -161,28 +161,30 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
 fn killing_the_cpu_worker_mid_request_ends_the_stream_with_a_clear_error() {
     let _g = serial();
     let path = file("deepseek2-mla-f32");
-    let mut c = Cluster::start(&path, &expert_spec("shm", &["--experts", "cpu"]));
     let (prompt, _) = generations("deepseek2-mla-f32").remove(0);
-    let n = 1024 - prompt.len() - 1;
-    let (status, after) = c.kill_mid_stream(
-        greedy(&prompt, n),
-        |c| c.cpu_workers[0].kill9(),
-        Duration::from_secs(60),
-    );
-    let status =
-        status.unwrap_or_else(|| panic!("the stream must end with an error\n{}", c.logs()));
-    eprintln!(
-        "expert worker killed: the stream ended after {:.2}s with: {}",
-        after.as_secs_f64(),
-        status.message()
-    );
-    assert!(
-        status.message().contains("c0"),
-        "the error names the expert worker: {}",
-        status.message()
-    );
-    let err = c.generate(greedy(&prompt, 4)).unwrap_err();
-    assert!(err.message().contains("c0"), "{}", err.message());
+    for transport in ["shm", "grpc"] {
+        let mut c = Cluster::start(&path, &expert_spec(transport, &["--experts", "cpu"]));
+        let n = 1024 - prompt.len() - 1;
+        let (status, after) = c.kill_mid_stream(
+            greedy(&prompt, n),
+            |c| c.cpu_workers[0].kill9(),
+            Duration::from_secs(60),
+        );
+        let status =
+            status.unwrap_or_else(|| panic!("the stream must end with an error\n{}", c.logs()));
+        eprintln!(
+            "expert worker killed ({transport}): the stream ended after {:.2}s with: {}",
+            after.as_secs_f64(),
+            status.message()
+        );
+        assert!(
+            status.message().contains("c0"),
+            "the error names the expert worker: {}",
+            status.message()
+        );
+        let err = c.generate(greedy(&prompt, 4)).unwrap_err();
+        assert!(err.message().contains("c0"), "{}", err.message());
+    }
 }
 
 /// Every stage's Status (routing statistics, device experts, traffic).
