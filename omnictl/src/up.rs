@@ -278,8 +278,14 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     }
     let mut cluster = LocalCluster::start(&a, &model, threads, false)?;
     eprintln!(
-        "omnictl: started a coordinator on {} and {} worker(s) with {threads} thread(s) each; Ctrl-C stops them",
-        a.listen, a.stages
+        "omnictl: started a coordinator on {} and {} worker(s) with {threads} thread(s) each{}; Ctrl-C stops them",
+        a.listen,
+        a.stages,
+        if a.cpu_workers > 0 {
+            format!(" and {} expert worker(s)", a.cpu_workers)
+        } else {
+            String::new()
+        }
     );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
