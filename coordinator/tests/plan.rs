@@ -25,16 +25,21 @@ fn model(file: &str) -> Arc<ModelFile> {
     ModelFile::open(common::model(file)).unwrap()
 }
 
-fn workers(free: &[u64]) -> Vec<WorkerSpec> {
+/// Workers `{prefix}0`, `{prefix}1`, ... offering `free` each, on `device(i)`.
+fn specs(prefix: &str, device: impl Fn(usize) -> String, free: &[u64]) -> Vec<WorkerSpec> {
     free.iter()
         .enumerate()
         .map(|(i, &f)| WorkerSpec {
-            id: format!("w{i}"),
-            device: "cpu".into(),
+            id: format!("{prefix}{i}"),
+            device: device(i),
             free_bytes: f,
             total_bytes: f + GIB,
         })
         .collect()
+}
+
+fn workers(free: &[u64]) -> Vec<WorkerSpec> {
+    specs("w", |_| "cpu".into(), free)
 }
 
 fn cfg(split: Option<Split>) -> PlanConfig {
@@ -674,15 +679,7 @@ fn synth(file: &str) -> Arc<ModelFile> {
 }
 
 fn expert_workers(free: &[u64]) -> Vec<WorkerSpec> {
-    free.iter()
-        .enumerate()
-        .map(|(i, &f)| WorkerSpec {
-            id: format!("c{i}"),
-            device: format!("numa{i}"),
-            free_bytes: f,
-            total_bytes: f + GIB,
-        })
-        .collect()
+    specs("c", |i| format!("numa{i}"), free)
 }
 
 /// A small context, so that the routed experts dominate the tiny models' stages.

@@ -297,16 +297,19 @@ impl Cluster {
 
 impl Cluster {
     /// Starts `req`, waits for its first tokens, runs `kill` (which stops
-    /// some process of the cluster) and reads the stream to its end, for
-    /// at most `bound`. Returns the error the stream ended with (None: it
-    /// ended quietly) and how long after `kill` it ended; panics with the
-    /// logs when it did not end within the bound.
+    /// the process named `who`) and checks what a user would see: the
+    /// stream ends within `bound` with an error naming `who`, and the
+    /// coordinator then refuses new requests naming it too. Returns the
+    /// error message and how long after `kill` the stream ended.
     pub fn kill_mid_stream(
         &mut self,
         req: GenerateRequest,
         kill: impl FnOnce(&mut Cluster),
+        who: &str,
         bound: Duration,
-    ) -> (Option<tonic::Status>, Duration) {
+    ) -> (String, Duration) {
+        let mut retry = req.clone();
+        retry.max_tokens = 4;
         let mut client = self.client().expect("coordinator reachable");
         let mut stream = self.rt.block_on(async {
             let mut stream = client.generate(req).await.unwrap().into_inner();
@@ -327,10 +330,17 @@ impl Cluster {
             })
             .await
         });
-        match end {
-            Ok(e) => (e, t.elapsed()),
+        let after = t.elapsed();
+        let status = match end {
+            Ok(Some(s)) => s,
+            Ok(None) => panic!("the stream ended without an error\n{}", self.logs()),
             Err(_) => panic!("the stream did not end within {bound:?}\n{}", self.logs()),
-        }
+        };
+        let msg = status.message().to_string();
+        assert!(msg.contains(who), "the error names {who}: {msg}");
+        let err = self.generate(retry).unwrap_err();
+        assert!(err.message().contains(who), "{}", err.message());
+        (msg, after)
     }
 }
 

@@ -303,21 +303,12 @@ fn worker_dying_mid_request_ends_the_stream_with_a_clear_error() {
     let _g = serial();
     let mut c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
     let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
-    let (status, after) = c.kill_mid_stream(greedy(&prompt, 900), |c| c.workers[1].kill9(), BOUND);
-    let status = status.expect("the stream must end with an error, not quietly");
+    let (msg, after) =
+        c.kill_mid_stream(greedy(&prompt, 900), |c| c.workers[1].kill9(), "w1", BOUND);
     eprintln!(
-        "worker killed: stream ended after {:.2}s with: {}",
-        after.as_secs_f64(),
-        status.message()
+        "worker killed: stream ended after {:.2}s with: {msg}",
+        after.as_secs_f64()
     );
-    assert!(
-        status.message().contains("w1"),
-        "the error names the worker: {}",
-        status.message()
-    );
-    // The coordinator is still there and says why it cannot serve.
-    let err = c.generate(greedy(&prompt, 4)).unwrap_err();
-    assert!(err.message().contains("w1"), "{}", err.message());
 }
 
 /// A client that goes away mid-stream frees its sequence's KV cache on every

@@ -165,25 +165,16 @@ fn killing_the_cpu_worker_mid_request_ends_the_stream_with_a_clear_error() {
     for transport in ["shm", "grpc"] {
         let mut c = Cluster::start(&path, &expert_spec(transport, &["--experts", "cpu"]));
         let n = 1024 - prompt.len() - 1;
-        let (status, after) = c.kill_mid_stream(
+        let (msg, after) = c.kill_mid_stream(
             greedy(&prompt, n),
             |c| c.cpu_workers[0].kill9(),
+            "c0",
             Duration::from_secs(60),
         );
-        let status =
-            status.unwrap_or_else(|| panic!("the stream must end with an error\n{}", c.logs()));
         eprintln!(
-            "expert worker killed ({transport}): the stream ended after {:.2}s with: {}",
-            after.as_secs_f64(),
-            status.message()
+            "expert worker killed ({transport}): the stream ended after {:.2}s with: {msg}",
+            after.as_secs_f64()
         );
-        assert!(
-            status.message().contains("c0"),
-            "the error names the expert worker: {}",
-            status.message()
-        );
-        let err = c.generate(greedy(&prompt, 4)).unwrap_err();
-        assert!(err.message().contains("c0"), "{}", err.message());
     }
 }
 
