@@ -265,22 +265,6 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// A little-endian float32 C-order `.npy` (as engine/tests/moe.rs reads them).
-fn read_npy_f32(path: &std::path::Path) -> Vec<f32> {
-    let b = std::fs::read(path).unwrap();
-    assert_eq!(&b[..6], b"\x93NUMPY");
-    let (hlen, start) = match b[6] {
-        1 => (u16::from_le_bytes([b[8], b[9]]) as usize, 10),
-        _ => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
-    };
-    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
-    assert!(header.contains("'descr': '<f4'") && header.contains("'fortran_order': False"));
-    b[start + hlen..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
@@ -306,11 +290,11 @@ fn fixture(name: &str) -> Fixture {
     let want_ids: Vec<Vec<u32>> = gens.iter().map(|g| ids(&g["generated_ids"])).collect();
     Fixture {
         tokens: ids(&fx["teacher_forced"]["input_ids"]),
-        want_tf: read_npy_f32(&fixtures_dir().join(format!("synthetic/tf_logits_{name}.npy"))),
+        want_tf: read_npy_f32(&fixtures_dir().join(format!("synthetic/tf_logits_{name}.npy"))).1,
         prompts: gens.iter().map(|g| ids(&g["prompt_ids"])).collect(),
         n_gen: want_ids[0].len(),
         want_ids,
-        tol: if name.ends_with("f32") { 0.05 } else { 0.25 },
+        tol: logit_tolerance(name),
     }
 }
 

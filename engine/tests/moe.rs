@@ -15,49 +15,6 @@ use omni_engine::gguf::{Gguf, Value};
 use omni_engine::sampling::greedy;
 use omni_engine::{Batch, Engine, EngineError, ModelFile};
 
-/// A little-endian float32 C-order `.npy` (numpy's format, versions 1-3).
-fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(
-        &b[..6],
-        b"\x93NUMPY",
-        "{}: not an .npy file",
-        path.display()
-    );
-    let (hlen, start) = match b[6] {
-        1 => (u16::from_le_bytes([b[8], b[9]]) as usize, 10),
-        _ => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
-    };
-    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
-    assert!(
-        header.contains("'descr': '<f4'") && header.contains("'fortran_order': False"),
-        "{header}"
-    );
-    let dims = header.split("'shape': (").nth(1).unwrap();
-    let dims = &dims[..dims.find(')').unwrap()];
-    let shape: Vec<usize> = dims
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let data: Vec<f32> = b[start + hlen..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    assert_eq!(data.len(), shape.iter().product::<usize>());
-    (shape, data)
-}
-
-/// The fixtures README's tolerance for a synthetic file's logits.
-fn tolerance(quant: &str) -> f32 {
-    if quant == "f32" {
-        0.05
-    } else {
-        0.25
-    }
-}
-
 /// Teacher-forced logits (one batch of 24 tokens), then both greedy runs,
 /// of `tiny-qwen3moe-{quant}.gguf` split as `split`, against its reference.
 fn check_qwen3moe(quant: &str, split: Option<&[u32]>) {
@@ -74,7 +31,7 @@ fn check_synthetic(
 ) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
     let name = format!("tiny-{model}-{quant}");
     let fx = json(&format!("synthetic/ref_{name}.json"));
-    let tol = tolerance(quant);
+    let tol = logit_tolerance(quant);
     let mut engine =
         Engine::load(synthetic(&format!("{name}.gguf")), split, config()).expect("model loads");
     assert_eq!(engine.stages().len(), split.map_or(1, |s| s.len()));

@@ -64,6 +64,48 @@ fn generations(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
+/// Teacher-forced, through the cluster: for every prefix of the fixture's
+/// 24 input ids, the top-5 log-probabilities of the next token equal
+/// llama.cpp's (log-softmax of its full-vocabulary logits) within twice the
+/// README's logit tolerance (a logprob is a logit less the log-sum-exp of
+/// the row; each can be off by the tolerance). Returns the largest difference.
+fn check_teacher_forced(c: &Cluster, name: &str) -> f32 {
+    let fx = json(&format!("synthetic/ref_tiny-{name}.json"));
+    let input = omni_tests::fixtures::ids(&fx["teacher_forced"]["input_ids"]);
+    let (shape, logits) = omni_tests::fixtures::read_npy_f32(
+        &fixtures_dir().join(format!("synthetic/tf_logits_tiny-{name}.npy")),
+    );
+    let n_vocab = shape[1];
+    let tol = 2.0 * omni_tests::fixtures::logit_tolerance(name);
+    let mut worst = 0f32;
+    for i in 1..=input.len() {
+        let row = &logits[(i - 1) * n_vocab..i * n_vocab];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+        let mut req = greedy(&input[..i], 1);
+        req.logprobs = true;
+        req.top_logprobs = 5;
+        let ev = c
+            .generate(req)
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", c.logs()));
+        let tok = ev.iter().flat_map(|e| &e.tokens).next().expect("one token");
+        assert_eq!(tok.top.len(), 5, "{name}: five alternatives");
+        for t in &tok.top {
+            let want = row[t.token as usize] - lse;
+            let d = (t.logprob - want).abs();
+            worst = worst.max(d);
+            assert!(
+                d <= tol,
+                "{name}: position {}: token {} logprob {} vs llama.cpp {want} (tolerance {tol})",
+                i - 1,
+                t.token,
+                t.logprob
+            );
+        }
+    }
+    worst
+}
+
 /// Layers of the model with routed experts.
 fn moe_layers(path: &std::path::Path) -> Vec<u32> {
     let m = omni_engine::ModelFile::open(path).unwrap();
@@ -99,8 +141,9 @@ fn expert_spec(transport: &'static str, coordinator_args: &[&str]) -> ClusterSpe
 
 /// Every synthetic MoE model, split across two device workers with every
 /// MoE layer's routed experts on the expert worker, over shared memory and
-/// over gRPC: llama.cpp's greedy tokens for every fixture prompt, and the
-/// plan and the wiring say where the experts run.
+/// over gRPC: llama.cpp's greedy tokens for every fixture prompt and its
+/// teacher-forced log-probabilities at every position, and the plan and
+/// the wiring say where the experts run.
 #[test]
 fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
     let _g = serial();
@@ -144,10 +187,11 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
                     .unwrap_or_else(|e| panic!("{name}: {e}\n{}", c.logs()));
                 assert_eq!(ids(&ev), want, "{name}, experts on c0 over {transport}");
             }
+            let worst = check_teacher_forced(&c, name);
             let info = c.info().unwrap();
             assert!(info.expert_wait_samples > 0, "steps waited on c0");
             eprintln!(
-                "{name}: experts on c0 over {transport}: llama.cpp's tokens; wait per step p50 {:.3} ms",
+                "{name}: experts on c0 over {transport}: llama.cpp's tokens, teacher-forced logprobs within {worst:.2e}; wait per step p50 {:.3} ms",
                 info.expert_wait_ms_p50
             );
         }

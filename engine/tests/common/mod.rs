@@ -199,3 +199,47 @@ pub fn write_sparse_gguf(
     (&f).write_all(&out).unwrap();
     f.set_len((out.len() + data_len) as u64).unwrap();
 }
+
+/// A little-endian float32 C-order `.npy` (numpy's format, versions 1-3).
+pub fn read_npy_f32(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
+    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(
+        &b[..6],
+        b"\x93NUMPY",
+        "{}: not an .npy file",
+        path.display()
+    );
+    let (hlen, start) = match b[6] {
+        1 => (u16::from_le_bytes([b[8], b[9]]) as usize, 10),
+        _ => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
+    };
+    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
+    assert!(
+        header.contains("'descr': '<f4'") && header.contains("'fortran_order': False"),
+        "{header}"
+    );
+    let dims = header.split("'shape': (").nth(1).unwrap();
+    let dims = &dims[..dims.find(')').unwrap()];
+    let shape: Vec<usize> = dims
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let data: Vec<f32> = b[start + hlen..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(data.len(), shape.iter().product::<usize>());
+    (shape, data)
+}
+
+/// The fixtures README's logit tolerance for a synthetic file (`...-f32`,
+/// `...-q8_0`, `...-q4_k_m`, or just the quantization).
+pub fn logit_tolerance(name: &str) -> f32 {
+    if name.ends_with("f32") {
+        0.05
+    } else {
+        0.25
+    }
+}
