@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = [
         "proto/omni/worker/v1/worker.proto",
         "proto/omni/coordinator/v1/coordinator.proto",
+        "proto/omni/admin/v1/admin.proto",
     ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");

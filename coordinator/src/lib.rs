@@ -7,6 +7,7 @@
 //! worker load its range, wire the pipeline (coordinator → stage 0 → … →
 //! last stage → coordinator), and only then report SERVING.
 
+pub mod admin;
 pub mod metrics;
 pub mod plan;
 pub mod scheduler;
@@ -107,6 +108,14 @@ pub struct CoordinatorConfig {
     /// Prometheus metrics (GET /metrics) listen address.
     #[arg(long, env = "OMNI_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
+    /// Where the admin API (omni.admin.v1) listens: apart from Inference,
+    /// so that it can stay off the network clients reach.
+    #[arg(long, env = "OMNI_ADMIN_LISTEN", default_value = "127.0.0.1:7071")]
+    pub admin_listen: String,
+    /// The token admin calls must carry (`authorization: Bearer ...`);
+    /// without one every admin call is refused.
+    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
@@ -132,6 +141,7 @@ pub(crate) struct Shared {
     pub info: Mutex<InfoReply>,
     pub next_seq: std::sync::atomic::AtomicU64,
     pub metrics: Arc<Metrics>,
+    pub admin: Arc<admin::AdminState>,
 }
 
 /// Runs the coordinator until it is stopped or its start-up fails.
@@ -200,6 +210,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         }),
         next_seq: 1.into(),
         metrics: metrics.clone(),
+        admin: Arc::default(),
     });
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -218,6 +229,33 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         .add_service(inbox.sink_service())
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let server = tokio::spawn(server);
+    let admin_listener = tokio::net::TcpListener::bind(&cfg.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (--admin-listen)", cfg.admin_listen))?;
+    tracing::info!(
+        "admin API on {}{}",
+        admin_listener.local_addr()?,
+        if cfg.admin_token.as_deref().is_some_and(|t| !t.is_empty()) {
+            ""
+        } else {
+            " (refusing every call: no admin token)"
+        }
+    );
+    let admin_server = tonic::transport::Server::builder()
+        .add_service(
+            omni_proto::admin::v1::admin_server::AdminServer::with_interceptor(
+                admin::AdminSvc(shared.admin.clone()),
+                admin::Auth::new(cfg.admin_token.clone()),
+            ),
+        )
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
+            admin_listener,
+        ));
+    tokio::spawn(async move {
+        if let Err(e) = admin_server.await {
+            tracing::error!("the admin API stopped: {e}");
+        }
+    });
     if let Some(addr) = &cfg.metrics_listen {
         let m = metrics.clone();
         omni_transport::metrics::serve(addr, Arc::new(move || m.render())).await?;
@@ -403,6 +441,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         TransportChoice::Grpc => Transport::Grpc,
     };
     let mut stages = Vec::new();
+    let mut placements = Vec::new();
     for (i, w) in workers.iter().enumerate() {
         let next: Endpoint = match replies.get(i + 1) {
             Some(r) => r.inbox.clone().unwrap_or_default(),
@@ -474,6 +513,13 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             },
             expert_transports: r.expert_transports.clone(),
         });
+        placements.push(admin::Placement {
+            worker: w.clone(),
+            stage: i as u32,
+            layers: st.range.to_string(),
+            offloaded: plan::fmt_layers(&st.offloaded),
+            planned_bytes: lr.weight_bytes + lr.kv_bytes + lr.compute_bytes,
+        });
         for (route, how) in routes.iter().zip(&r.expert_transports) {
             tracing::info!(
                 "stage {i}: the experts of layers {} run on {} over {how}",
@@ -507,11 +553,33 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("scheduler".into())
         .spawn(move || sched.run(ev_rx, frames))?;
+    for e in &expert_info {
+        let w = expert_workers
+            .iter()
+            .find(|w| w.id == e.worker_id)
+            .expect("expert info is about registered workers");
+        placements.push(admin::Placement {
+            worker: w.clone(),
+            stage: 0,
+            layers: e.layers.clone(),
+            offloaded: String::new(),
+            planned_bytes: e.weight_bytes + e.compute_bytes,
+        });
+    }
+    *shared.admin.view.lock().unwrap() = Some(Arc::new(admin::ClusterView {
+        model: model.clone(),
+        config: pcfg.clone(),
+        stages: specs.clone(),
+        expert_workers: expert_specs.clone(),
+        plan: plan.clone(),
+        placements,
+    }));
     for w in workers.iter().chain(&expert_workers) {
         tokio::spawn(watch_worker(
             w.clone(),
             Duration::from_secs_f64(cfg.health_interval),
             ev_tx.clone(),
+            shared.admin.clone(),
         ));
     }
     {
@@ -546,7 +614,12 @@ async fn worker_client(addr: &str) -> anyhow::Result<WorkerClient<tonic::transpo
 
 /// Checks a worker's gRPC health every `interval`; two failures in a row
 /// (or a refused connection) report it lost.
-async fn watch_worker(w: Registered, interval: Duration, events: crossbeam_channel::Sender<Event>) {
+async fn watch_worker(
+    w: Registered,
+    interval: Duration,
+    events: crossbeam_channel::Sender<Event>,
+    admin: Arc<admin::AdminState>,
+) {
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let timeout = interval.max(Duration::from_millis(500)) * 2;
     let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{}", w.addr)) else {
@@ -569,6 +642,7 @@ async fn watch_worker(w: Registered, interval: Duration, events: crossbeam_chann
         };
         misses += 1;
         if misses >= 2 {
+            admin.set_health(&w.id, format!("lost: {why}"));
             let _ = events.send(Event::WorkerLost {
                 worker: format!("{} ({})", w.id, w.addr),
                 why,

@@ -128,6 +128,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             experts: (cpu_workers > 0).then(|| "cpu".into()),
             gpu_experts: None,
             cpu_memory: None,
+            admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
         let result = (|| {

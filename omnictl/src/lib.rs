@@ -3,6 +3,7 @@
 //! `--coordinator`), `bench` prefill/decode speed, `plan` a split without
 //! loading anything, and `up` a local cluster.
 
+mod admin;
 mod bench;
 mod bench_cluster;
 mod fetch;
@@ -45,6 +46,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Start a local cluster (a coordinator and N workers) and supervise it.
     Up(up::UpArgs),
+    /// List a running cluster's workers: memory, what they hold, KV cache, step time, health (admin API).
+    Workers(admin::WorkersArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -59,6 +62,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::BenchCluster(args) => bench_cluster::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Up(args) => up::run(args),
+        Command::Workers(args) => admin::workers(&args),
     }
 }
 

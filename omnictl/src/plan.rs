@@ -15,29 +15,39 @@ use omni_engine::ModelFile;
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// GGUF path or known model name.
-    #[arg(long, short, required_unless_present = "coordinator")]
+    #[arg(long, short, required_unless_present_any = ["coordinator", "admin"])]
     pub model: Option<String>,
     /// The devices in pipeline order, each NAME:SIZE with the memory it offers
     /// (e.g. cpu:6GiB,cpu:2GiB or cuda:0:20GiB,cuda:1:8GiB). They become
     /// workers w0, w1, ...; the name is everything before the last ':'.
-    #[arg(long, value_delimiter = ',', required_unless_present = "coordinator")]
+    #[arg(long, value_delimiter = ',', required_unless_present_any = ["coordinator", "admin"])]
     pub devices: Vec<String>,
     /// Show the plan of the cluster this coordinator runs, with each
     /// offloaded layer's routing statistics and device experts.
     #[arg(long, conflicts_with_all = ["model", "devices", "expert_devices"])]
     pub coordinator: Option<String>,
+    /// Ask this coordinator's admin API for the plan it runs, or, with
+    /// --layers, --split, --experts or --gpu-experts, a dry run of another
+    /// one on the same workers (nothing moves).
+    #[arg(long, conflicts_with_all = ["model", "devices", "expert_devices", "coordinator"])]
+    pub admin: Option<String>,
+    /// The admin token (the coordinator's --admin-token).
+    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
     /// Expert workers that can run MoE layers' routed experts, each
     /// NAME:SIZE (e.g. numa0:256GiB,numa1:256GiB). They become c0, c1, ...
     #[arg(long, value_delimiter = ',')]
     pub expert_devices: Vec<String>,
     /// Where routed experts run: auto (on the devices when the model fits
     /// them, else as few layers' as possible on the expert workers), device
-    /// or cpu (all on the expert workers).
-    #[arg(long, value_enum, default_value_t = ExpertPolicy::Auto)]
-    pub experts: ExpertPolicy,
-    /// Routed experts of each offloaded layer its device stage holds as well.
-    #[arg(long, default_value_t = 0)]
-    pub gpu_experts: u32,
+    /// or cpu (all on the expert workers). Default: auto (with --admin: the
+    /// cluster's).
+    #[arg(long, value_enum)]
+    pub experts: Option<ExpertPolicy>,
+    /// Routed experts of each offloaded layer its device stage holds as
+    /// well. Default: 0 (with --admin: the cluster's).
+    #[arg(long)]
+    pub gpu_experts: Option<u32>,
     /// Context length of one sequence.
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
@@ -95,6 +105,20 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     if let Some(addr) = &args.coordinator {
         return live(addr, args.json);
     }
+    if let Some(addr) = &args.admin {
+        let a = crate::admin::AdminArgs {
+            admin: addr.clone(),
+            token: args.token.clone(),
+        };
+        return crate::admin::plan(
+            &a,
+            args.layers.clone(),
+            args.split.clone(),
+            args.experts.map(|e| e.name().to_string()),
+            args.gpu_experts,
+            args.json,
+        );
+    }
     let p = make_plan(args)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
@@ -121,8 +145,8 @@ pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
             (None, Some(l)) => Some(Split::Layers(l.clone())),
             (None, None) => None,
         },
-        experts: args.experts,
-        gpu_experts: args.gpu_experts,
+        experts: args.experts.unwrap_or_default(),
+        gpu_experts: args.gpu_experts.unwrap_or(0),
     };
     Ok(plan_with_experts(&model, &workers, &expert_workers, &cfg)?)
 }
@@ -251,8 +275,8 @@ mod tests {
     #[test]
     fn expert_flags_parse_with_their_defaults() {
         let a = args(&["-m", "x.gguf", "--devices", "cpu:6GiB"]).unwrap();
-        assert_eq!(a.experts, ExpertPolicy::Auto);
-        assert_eq!(a.gpu_experts, 0);
+        assert_eq!(a.experts, None);
+        assert_eq!(a.gpu_experts, None);
         assert!(a.expert_devices.is_empty());
         let a = args(&[
             "-m",
@@ -267,15 +291,15 @@ mod tests {
             "2",
         ])
         .unwrap();
-        assert_eq!(a.experts, ExpertPolicy::Cpu);
-        assert_eq!(a.gpu_experts, 2);
+        assert_eq!(a.experts, Some(ExpertPolicy::Cpu));
+        assert_eq!(a.gpu_experts, Some(2));
         assert_eq!(a.expert_devices, ["numa0:256GiB", "numa1:256GiB"]);
         for (flag, want) in [
             ("auto", ExpertPolicy::Auto),
             ("device", ExpertPolicy::Device),
         ] {
             let a = args(&["-m", "x", "--devices", "cpu:1GiB", "--experts", flag]).unwrap();
-            assert_eq!(a.experts, want);
+            assert_eq!(a.experts, Some(want));
         }
         let e = args(&["-m", "x", "--devices", "cpu:1GiB", "--experts", "gpu"])
             .err()

@@ -76,6 +76,9 @@ pub struct UpArgs {
     /// Memory each expert worker offers, e.g. 64GiB (default: what the machine has free).
     #[arg(long)]
     pub cpu_memory: Option<String>,
+    /// Where the coordinator's admin API listens (default 127.0.0.1:7071).
+    #[arg(long)]
+    pub admin_listen: Option<String>,
 }
 
 /// Locates a sibling binary (the build puts all of omni's in one directory).
@@ -138,6 +141,11 @@ impl LocalCluster {
         }
         if let Some(e) = &a.experts {
             c.args(["--experts", e]);
+        }
+        // The admin token, when set, reaches the coordinator through its
+        // environment (OMNI_ADMIN_TOKEN), never a command line others can read.
+        if let Some(l) = &a.admin_listen {
+            c.args(["--admin-listen", l]);
         }
         if let Some(k) = a.gpu_experts {
             c.args(["--gpu-experts", &k.to_string()]);

@@ -1,5 +1,5 @@
-//! omni's wire: the gRPC services and messages of `omni.worker.v1` and
-//! `omni.coordinator.v1`, generated from `proto/` by `build.rs`.
+//! omni's wire: the gRPC services and messages of `omni.worker.v1`,
+//! `omni.coordinator.v1` and `omni.admin.v1`, generated from `proto/` by `build.rs`.
 
 pub mod worker {
     pub mod v1 {
@@ -10,5 +10,11 @@ pub mod worker {
 pub mod coordinator {
     pub mod v1 {
         tonic::include_proto!("omni.coordinator.v1");
+    }
+}
+
+pub mod admin {
+    pub mod v1 {
+        tonic::include_proto!("omni.admin.v1");
     }
 }

@@ -140,6 +140,8 @@ impl ClusterSpec {
 /// A coordinator and its workers, all real processes.
 pub struct Cluster {
     pub addr: String,
+    /// The coordinator's admin API (`--admin-listen`).
+    pub admin_addr: String,
     pub coordinator: Proc,
     pub workers: Vec<Proc>,
     pub cpu_workers: Vec<Proc>,
@@ -152,10 +154,12 @@ impl Cluster {
     pub fn spawn(model: &Path, spec: &ClusterSpec) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let addr = format!("127.0.0.1:{}", free_port());
+        let admin_addr = format!("127.0.0.1:{}", free_port());
         let mut c = Command::new(target_bin("omni-coordinator"));
         c.arg("--model")
             .arg(model)
             .args(["--listen", &addr])
+            .args(["--admin-listen", &admin_addr])
             .args(["--workers", &spec.stages.to_string()])
             .args(["--cpu-workers", &spec.cpu_workers.to_string()])
             .args(["--transport", spec.transport])
@@ -205,6 +209,7 @@ impl Cluster {
             .expect("runtime");
         Cluster {
             addr,
+            admin_addr,
             coordinator,
             workers,
             cpu_workers,

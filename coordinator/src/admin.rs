@@ -1,0 +1,280 @@
+//! `omni.admin.v1`: the operators' view of the cluster, on its own listener.
+//!
+//! Every call carries `authorization: Bearer <token>`, compared in constant
+//! time with the coordinator's `--admin-token`; a coordinator without a
+//! token refuses them all, so the admin API is never open by accident.
+
+use crate::plan::{self, ExpertPolicy, Plan, PlanConfig, Split, WorkerSpec};
+use crate::Registered;
+use omni_engine::ModelFile;
+use omni_proto::admin::v1::{
+    admin_server, GetPlanRequest, ListWorkersReply, ListWorkersRequest, PlanDryRunRequest,
+    PlanReply, WorkerInfo,
+};
+use omni_proto::coordinator::v1::WorkerKind;
+use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::{Request, Response, Status};
+
+/// What one worker was given by the plan.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    pub worker: Registered,
+    /// Pipeline position (stages only).
+    pub stage: u32,
+    pub layers: String,
+    pub offloaded: String,
+    /// Weights, KV cache and compute buffer, as loaded.
+    pub planned_bytes: u64,
+}
+
+/// The cluster as the coordinator made it: what the admin API shows.
+pub struct ClusterView {
+    pub model: Arc<ModelFile>,
+    pub config: PlanConfig,
+    pub stages: Vec<WorkerSpec>,
+    pub expert_workers: Vec<WorkerSpec>,
+    pub plan: Plan,
+    pub placements: Vec<Placement>,
+}
+
+/// What the admin service reads: the view once the cluster is up, and the
+/// health the watchers report.
+#[derive(Default)]
+pub struct AdminState {
+    pub view: Mutex<Option<Arc<ClusterView>>>,
+    /// Worker id -> "serving" or why not.
+    pub health: Mutex<HashMap<String, String>>,
+}
+
+impl AdminState {
+    pub fn set_health(&self, worker: &str, health: String) {
+        self.health
+            .lock()
+            .unwrap()
+            .insert(worker.to_string(), health);
+    }
+}
+
+/// Checks `authorization: Bearer <token>` on every call.
+#[derive(Clone)]
+pub struct Auth {
+    token: Option<Arc<str>>,
+}
+
+impl Auth {
+    pub fn new(token: Option<String>) -> Auth {
+        Auth {
+            token: token.filter(|t| !t.is_empty()).map(Arc::from),
+        }
+    }
+}
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let Some(token) = &self.token else {
+            return Err(Status::unauthenticated(
+                "admin calls are refused: this coordinator has no admin token (set --admin-token or OMNI_ADMIN_TOKEN)",
+            ));
+        };
+        let given = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match given {
+            Some(g) if constant_time_eq(g.as_bytes(), token.as_bytes()) => Ok(req),
+            Some(_) => Err(Status::unauthenticated("wrong admin token")),
+            None => Err(Status::unauthenticated(
+                "admin calls need `authorization: Bearer <admin token>`",
+            )),
+        }
+    }
+}
+
+/// Equal in time that does not depend on where the first difference is.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub struct AdminSvc(pub Arc<AdminState>);
+
+impl AdminSvc {
+    fn view(&self) -> Result<Arc<ClusterView>, Status> {
+        self.0.view.lock().unwrap().clone().ok_or_else(|| {
+            Status::unavailable("the cluster is still starting: no plan has been loaded yet")
+        })
+    }
+}
+
+fn plan_reply(p: &Plan) -> Result<Response<PlanReply>, Status> {
+    Ok(Response::new(PlanReply {
+        text: p.to_string(),
+        json: serde_json::to_string_pretty(p).map_err(|e| Status::internal(e.to_string()))?,
+    }))
+}
+
+#[tonic::async_trait]
+impl admin_server::Admin for AdminSvc {
+    async fn list_workers(
+        &self,
+        _: Request<ListWorkersRequest>,
+    ) -> Result<Response<ListWorkersReply>, Status> {
+        let view = self.view()?;
+        let health = self.0.health.lock().unwrap().clone();
+        let mut workers = Vec::new();
+        for p in &view.placements {
+            let w = &p.worker;
+            let inv = &w.inventory;
+            let mut info = WorkerInfo {
+                id: w.id.clone(),
+                kind: match w.kind {
+                    WorkerKind::Stage => "stage",
+                    WorkerKind::Experts => "experts",
+                }
+                .into(),
+                addr: w.addr.clone(),
+                device: inv.device.clone(),
+                device_name: inv.device_name.clone(),
+                memory_total: inv.memory_total,
+                memory_free: inv.memory_free,
+                memory_planned: p.planned_bytes,
+                stage: p.stage,
+                layers: p.layers.clone(),
+                offloaded: p.offloaded.clone(),
+                health: health
+                    .get(&w.id)
+                    .cloned()
+                    .unwrap_or_else(|| "serving".into()),
+                ..Default::default()
+            };
+            if w.kind == WorkerKind::Stage {
+                match status(&w.addr).await {
+                    Ok(s) => {
+                        info.kv_cells_used = s.kv_cells_used;
+                        info.kv_cells_total = s.kv_cells_total;
+                        info.steps = s.steps;
+                        info.last_step_ms = s.last_step_ms;
+                        if s.memory_total > 0 {
+                            info.memory_total = s.memory_total;
+                            info.memory_free = s.memory_free;
+                        }
+                    }
+                    Err(why) if info.health == "serving" => {
+                        info.health = format!("no answer: {why}");
+                    }
+                    Err(_) => {}
+                }
+            }
+            workers.push(info);
+        }
+        Ok(Response::new(ListWorkersReply { workers }))
+    }
+
+    async fn get_plan(&self, _: Request<GetPlanRequest>) -> Result<Response<PlanReply>, Status> {
+        plan_reply(&self.view()?.plan)
+    }
+
+    async fn plan_dry_run(
+        &self,
+        req: Request<PlanDryRunRequest>,
+    ) -> Result<Response<PlanReply>, Status> {
+        let r = req.into_inner();
+        let view = self.view()?;
+        let mut cfg = view.config.clone();
+        cfg.split = match (r.layers.is_empty(), r.split.is_empty()) {
+            (true, true) => None,
+            (false, true) => Some(Split::Layers(r.layers)),
+            (true, false) => Some(Split::Proportions(r.split)),
+            (false, false) => {
+                return Err(Status::invalid_argument("give layers or split, not both"))
+            }
+        };
+        if !r.experts.is_empty() {
+            cfg.experts =
+                <ExpertPolicy as clap::ValueEnum>::from_str(&r.experts, true).map_err(|_| {
+                    Status::invalid_argument(format!(
+                        "experts '{}' is not auto, device or cpu",
+                        r.experts
+                    ))
+                })?;
+        }
+        if let Some(k) = r.gpu_experts {
+            cfg.gpu_experts = k;
+        }
+        let model = view.model.clone();
+        let (stages, experts) = (view.stages.clone(), view.expert_workers.clone());
+        let p = tokio::task::spawn_blocking(move || {
+            plan::plan_with_experts(&model, &stages, &experts, &cfg)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        plan_reply(&p)
+    }
+}
+
+/// A stage's Status, within two seconds.
+async fn status(addr: &str) -> Result<omni_proto::worker::v1::StatusReply, String> {
+    let ask = async {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?;
+        WorkerClient::new(ch)
+            .status(StatusRequest {})
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| s.message().to_string())
+    };
+    tokio::time::timeout(Duration::from_secs(2), ask)
+        .await
+        .map_err(|_| "no Status answer within 2 s".to_string())?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::service::Interceptor;
+
+    fn call(auth: &mut Auth, header: Option<&str>) -> Result<(), String> {
+        let mut req = Request::new(());
+        if let Some(h) = header {
+            req.metadata_mut()
+                .insert("authorization", h.parse().unwrap());
+        }
+        auth.call(req)
+            .map(|_| ())
+            .map_err(|s| s.message().to_string())
+    }
+
+    #[test]
+    fn only_the_configured_token_passes() {
+        let mut none = Auth::new(None);
+        assert!(call(&mut none, Some("Bearer x"))
+            .unwrap_err()
+            .contains("no admin token"));
+        let mut empty = Auth::new(Some(String::new()));
+        assert!(call(&mut empty, Some("Bearer "))
+            .unwrap_err()
+            .contains("no admin token"));
+        let mut auth = Auth::new(Some("s3cret".into()));
+        assert!(call(&mut auth, Some("Bearer s3cret")).is_ok());
+        assert_eq!(
+            call(&mut auth, Some("Bearer s3cres")).unwrap_err(),
+            "wrong admin token"
+        );
+        assert_eq!(
+            call(&mut auth, Some("Bearer s3cret2")).unwrap_err(),
+            "wrong admin token"
+        );
+        assert!(call(&mut auth, Some("s3cret"))
+            .unwrap_err()
+            .contains("Bearer"));
+        assert!(call(&mut auth, None).unwrap_err().contains("Bearer"));
+    }
+}

@@ -1,0 +1,197 @@
+//! End-to-end: the coordinator's admin API (`omni.admin.v1`) and the
+//! `omnictl` verbs on it, against a real cluster (two device workers and an
+//! expert worker serving the tiny deepseek2).
+//!
+//! What an operator would notice: admin calls without the right token are
+//! refused, and the admin API is not on the inference listener; `omnictl
+//! workers` shows every worker with its memory, layers, KV cache, step time
+//! and health; `omnictl plan --admin` shows the running plan, and a dry run
+//! of another split shows its arithmetic without moving anything.
+
+use omni_proto::admin::v1::{admin_client::AdminClient, ListWorkersRequest};
+use omni_proto::coordinator::v1::{
+    generate_request::Prompt, inference_client::InferenceClient, GenerateRequest, InfoRequest,
+    TokenIds,
+};
+use omni_tests::fixtures::fixtures_dir;
+use omni_tests::{target_bin, Cluster, ClusterSpec};
+use std::process::Command;
+
+const TOKEN: &str = "adm-7f3e";
+
+/// One cluster test at a time: the CI machine has two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn model() -> std::path::PathBuf {
+    fixtures_dir().join("synthetic/tiny-deepseek2-mla-q8_0.gguf")
+}
+
+fn cluster(token: Option<&str>) -> Cluster {
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.cpu_workers = 1;
+    spec.coordinator_args = vec!["--experts".into(), "cpu".into()];
+    if let Some(t) = token {
+        spec.coordinator_args
+            .extend(["--admin-token".into(), t.into()]);
+    }
+    Cluster::start(&model(), &spec)
+}
+
+/// `omnictl ARGS` with the admin address; (success, stdout, stderr).
+fn omnictl(c: &Cluster, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = Command::new(target_bin("omnictl"));
+    cmd.args(args)
+        .args(["--admin", &c.admin_addr])
+        .env_remove("OMNI_ADMIN_TOKEN");
+    if let Some(t) = token {
+        cmd.args(["--token", t]);
+    }
+    let out = cmd.output().expect("omnictl runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn admin_api_needs_its_token_and_lives_on_its_own_listener() {
+    let _g = serial();
+    let c = cluster(Some(TOKEN));
+    for (token, why) in [
+        (None, "need `authorization: Bearer"),
+        (Some("nope"), "wrong admin token"),
+    ] {
+        let (ok, _, err) = omnictl(&c, token, &["workers"]);
+        assert!(!ok, "refused without the right token");
+        assert!(
+            err.contains(why) && err.contains("Unauthenticated"),
+            "{err}"
+        );
+    }
+    // The admin service is not on the inference port, nor inference on the admin port.
+    c.rt.block_on(async {
+        let mut a = AdminClient::connect(format!("http://{}", c.addr))
+            .await
+            .unwrap();
+        let e = a.list_workers(ListWorkersRequest {}).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
+        let mut i = InferenceClient::connect(format!("http://{}", c.admin_addr))
+            .await
+            .unwrap();
+        let e = i.info(InfoRequest {}).await.unwrap_err();
+        assert_ne!(e.code(), tonic::Code::Ok);
+    });
+    // A coordinator without a token refuses everything, even a guess.
+    let open = cluster(None);
+    let (ok, _, err) = omnictl(&open, Some(""), &["workers"]);
+    assert!(!ok && err.contains("no admin token"), "{err}");
+    let (ok, _, err) = omnictl(&open, Some("anything"), &["plan"]);
+    assert!(!ok && err.contains("no admin token"), "{err}");
+}
+
+#[test]
+fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
+    let _g = serial();
+    let c = cluster(Some(TOKEN));
+    let prompt: Vec<u32> = (1..20).collect();
+    c.generate(GenerateRequest {
+        prompt: Some(Prompt::Ids(TokenIds { ids: prompt })),
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let info = c.info().unwrap();
+
+    let (ok, out, err) = omnictl(&c, Some(TOKEN), &["workers", "--json"]);
+    assert!(ok, "{err}");
+    let ws: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let ids: Vec<&str> = ws.iter().map(|w| w["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["w0", "w1", "c0"]);
+    for (w, s) in ws.iter().zip(&info.stages) {
+        assert_eq!(w["kind"], "stage");
+        assert_eq!(w["layers"], s.range.as_str(), "the planned range");
+        assert_eq!(w["health"], "serving");
+        assert!(w["memory_total"].as_u64().unwrap() >= w["memory_free"].as_u64().unwrap());
+        assert_eq!(
+            w["memory_planned"].as_u64().unwrap(),
+            s.weight_bytes + s.kv_bytes + s.compute_bytes
+        );
+        assert!(w["kv_cells_total"].as_u64().unwrap() > 0);
+        assert!(
+            w["steps"].as_u64().unwrap() > 0,
+            "the request ran through it: {w}"
+        );
+        assert!(w["last_step_ms"].as_f64().unwrap() > 0.0);
+    }
+    let c0 = &ws[2];
+    assert_eq!(c0["kind"], "experts");
+    assert_eq!(c0["layers"], info.expert_workers[0].layers.as_str());
+    assert_eq!(
+        c0["memory_planned"].as_u64().unwrap(),
+        info.expert_workers[0].weight_bytes + info.expert_workers[0].compute_bytes
+    );
+
+    let (ok, table, err) = omnictl(&c, Some(TOKEN), &["workers"]);
+    assert!(ok, "{err}");
+    for w in ["w0", "w1", "c0"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with(w) && l.ends_with("serving")),
+            "{table}"
+        );
+    }
+
+    let (ok, plan, err) = omnictl(&c, Some(TOKEN), &["plan"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        plan, info.plan,
+        "the running plan, as the coordinator made it"
+    );
+
+    // A dry run of another split: its own arithmetic, nothing moves.
+    let (ok, dry, err) = omnictl(&c, Some(TOKEN), &["plan", "--layers", "1,3", "--json"]);
+    assert!(ok, "{err}");
+    let p: serde_json::Value = serde_json::from_str(&dry).unwrap();
+    let ranges: Vec<(u64, u64)> = p["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let l = &s["range"]["layers"];
+            (l["start"].as_u64().unwrap(), l["end"].as_u64().unwrap())
+        })
+        .collect();
+    assert_eq!(ranges, [(0, 1), (1, 4)], "{dry}");
+    let (ok, _, err) = omnictl(&c, Some(TOKEN), &["plan", "--layers", "4,0"]);
+    assert!(
+        !ok && err.contains("no layers"),
+        "an impossible split is refused: {err}"
+    );
+    let (ok, again, _) = omnictl(&c, Some(TOKEN), &["plan"]);
+    assert!(ok);
+    assert_eq!(again, info.plan, "the dry runs moved nothing");
+
+    // A lost worker shows as lost.
+    let mut c = c;
+    c.workers[1].kill9();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let (ok, out, _) = omnictl(&c, Some(TOKEN), &["workers", "--json"]);
+        assert!(ok);
+        let ws: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+        let h = ws[1]["health"].as_str().unwrap().to_string();
+        if h != "serving" {
+            assert!(h.starts_with("lost") || h.starts_with("no answer"), "{h}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "w1 still 'serving'");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
