@@ -3,6 +3,13 @@
 //! cell holds. Sequences share one pool of cells (llama.cpp's "unified"
 //! cache), so a batch of several sequences is one attention op per layer,
 //! with a mask that keeps each token to its own sequence's past.
+//!
+//! [`KvCache::export`] and [`KvCache::import`] move the cache of chosen
+//! layers between caches (and, through [`KvLayers::to_bytes`], between
+//! processes) byte for byte, for moving layers between stages while
+//! sequences are live.
+
+use std::ops::Range;
 
 use crate::error::EngineError;
 use crate::ffi::ggml::{f32_to_f16, Buffer, CpuBackend, Tensor, TensorStore, TYPE_F16};
@@ -36,6 +43,153 @@ impl KvConfig {
     /// absorbed MLA, see [`Hparams::n_embd_v_cache`]).
     pub fn bytes(&self, hp: &Hparams, n_layers: usize) -> u64 {
         hp.kv_bytes_per_token_layer() * self.n_cells() as u64 * n_layers as u64
+    }
+}
+
+/// The cache of some layers, as [`KvCache::export`] takes it out: the cell
+/// table up to the last used cell (`used_end`; every cell past it is free,
+/// so nothing past it is carried), and per layer the F16 rows of those
+/// cells, exactly the bytes the cache holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvLayers {
+    /// `(sequence, position)` of each cell in order, `None` for a free one.
+    pub cells: Vec<Option<(u32, i32)>>,
+    pub layers: Vec<KvLayer>,
+}
+
+/// One layer's K rows (and V rows) for [`KvLayers::cells`]: row `c` is
+/// cell `c`, `n_embd_k_gqa` (`n_embd_v_cache`) F16 values, little-endian.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvLayer {
+    pub layer: u32,
+    pub k: Vec<u8>,
+    /// Empty for a cache without V (absorbed MLA).
+    pub v: Vec<u8>,
+}
+
+const KV_MAGIC: &[u8; 4] = b"OMKV";
+/// The `seq` of a free cell in the byte form.
+const FREE_SEQ: u32 = u32::MAX;
+
+impl KvLayers {
+    /// Bytes of K and V rows carried.
+    pub fn data_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.k.len() + l.v.len()).sum()
+    }
+
+    /// The byte form, little-endian: `OMKV`, version u32 (1), n_cells u32,
+    /// n_layers u32; per cell seq u32 and pos i32 (a free cell is seq
+    /// `u32::MAX`, pos 0); per layer: layer u32, k_len u64, v_len u64, then
+    /// the K bytes and the V bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(
+            16 + 8 * self.cells.len() + 20 * self.layers.len() + self.data_bytes(),
+        );
+        out.extend_from_slice(KV_MAGIC);
+        out.extend_from_slice(&1u32.to_le_bytes());
+        out.extend_from_slice(&(self.cells.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        for c in &self.cells {
+            let (seq, pos) = c.unwrap_or((FREE_SEQ, 0));
+            out.extend_from_slice(&seq.to_le_bytes());
+            out.extend_from_slice(&pos.to_le_bytes());
+        }
+        for l in &self.layers {
+            out.extend_from_slice(&l.layer.to_le_bytes());
+            out.extend_from_slice(&(l.k.len() as u64).to_le_bytes());
+            out.extend_from_slice(&(l.v.len() as u64).to_le_bytes());
+            out.extend_from_slice(&l.k);
+            out.extend_from_slice(&l.v);
+        }
+        out
+    }
+
+    /// Reads [`Self::to_bytes`]'s form; every length is checked against
+    /// the bytes left before anything is allocated.
+    pub fn from_bytes(b: &[u8]) -> Result<KvLayers, EngineError> {
+        if b.len() < 16 || &b[..4] != KV_MAGIC {
+            return Err(bad_bytes(format!(
+                "not a serialized KV cache ({} bytes, magic {:?})",
+                b.len(),
+                b.get(..4)
+            )));
+        }
+        let mut r = ByteReader { b, at: 4 };
+        let version = r.u32()?;
+        if version != 1 {
+            return Err(bad_bytes(format!(
+                "unknown version {version} (this build reads 1)"
+            )));
+        }
+        let (n_cells, n_layers) = (r.u32()? as usize, r.u32()? as usize);
+        if n_cells.saturating_mul(8) > b.len() - 16 {
+            return Err(bad_bytes(format!(
+                "{n_cells} cells need {} bytes, only {} follow the header",
+                n_cells.saturating_mul(8),
+                b.len() - 16
+            )));
+        }
+        let mut cells = Vec::with_capacity(n_cells);
+        for _ in 0..n_cells {
+            let (seq, pos) = (r.u32()?, r.u32()? as i32);
+            cells.push((seq != FREE_SEQ).then_some((seq, pos)));
+        }
+        let mut layers = Vec::new();
+        for _ in 0..n_layers {
+            let layer = r.u32()?;
+            let (k_len, v_len) = (r.u64()?, r.u64()?);
+            let k = r.take(k_len)?.to_vec();
+            let v = r.take(v_len)?.to_vec();
+            layers.push(KvLayer { layer, k, v });
+        }
+        if r.at != b.len() {
+            return Err(bad_bytes(format!(
+                "{} bytes left over after the last layer",
+                b.len() - r.at
+            )));
+        }
+        Ok(KvLayers { cells, layers })
+    }
+}
+
+fn bad_bytes(why: String) -> EngineError {
+    EngineError::Config(format!("bad serialized KV cache: {why}"))
+}
+
+/// Reads [`KvLayers::from_bytes`]'s fields, each checked against the bytes left.
+struct ByteReader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> ByteReader<'a> {
+    fn take(&mut self, n: u64) -> Result<&'a [u8], EngineError> {
+        let end = usize::try_from(n)
+            .ok()
+            .and_then(|n| self.at.checked_add(n))
+            .filter(|&end| end <= self.b.len())
+            .ok_or_else(|| {
+                bad_bytes(format!(
+                    "truncated: needs {n} bytes at offset {}, has {}",
+                    self.at,
+                    self.b.len()
+                ))
+            })?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u32(&mut self) -> Result<u32, EngineError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64, EngineError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
 }
 
@@ -134,6 +288,16 @@ impl KvCache {
         (0..self.store_layers * per_layer)
             .map(|i| self.store.get(i).nbytes() as u64)
             .sum()
+    }
+
+    /// The layers this cache holds.
+    pub fn layers(&self) -> Range<u32> {
+        self.first_layer..self.first_layer + self.store_layers as u32
+    }
+
+    /// Whether each layer caches V (not for absorbed MLA).
+    pub fn has_v(&self) -> bool {
+        self.has_v
     }
 
     /// Cells in use.
@@ -241,5 +405,211 @@ impl KvCache {
             }
         }
         f32_to_f16(&row, out);
+    }
+
+    /// Takes out the cache of `layers` (all inside this cache's range): the
+    /// cell table and each layer's K (and V) rows up to the last used cell.
+    /// The cache itself is unchanged.
+    pub fn export(&self, layers: Range<u32>) -> Result<KvLayers, EngineError> {
+        let mine = self.layers();
+        if layers.start > layers.end || layers.start < mine.start || layers.end > mine.end {
+            return Err(EngineError::Config(format!(
+                "cannot export the KV cache of layers {layers:?}: this cache holds layers {mine:?}"
+            )));
+        }
+        let rows = self.used_end;
+        Ok(KvLayers {
+            cells: self.cells[..rows]
+                .iter()
+                .map(|c| c.map(|c| (c.seq, c.pos)))
+                .collect(),
+            layers: layers
+                .map(|il| {
+                    let k = read_rows(self.k(il), rows);
+                    let v = if self.has_v {
+                        read_rows(self.layer(il).1, rows)
+                    } else {
+                        Vec::new()
+                    };
+                    KvLayer { layer: il, k, v }
+                })
+                .collect(),
+        })
+    }
+
+    /// Puts exported layers into this cache. Their cell table must be this
+    /// cache's (the same sequence and position in every cell up to the last
+    /// used one), or this cache must hold no cell and then takes it. Every
+    /// layer must be in this cache's range, once, with rows of this cache's
+    /// sizes. All or nothing: every check runs before anything is written.
+    /// A layer's cells past the carried table are zeroed (they are free).
+    pub fn import(&mut self, kv: &KvLayers) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Config(format!("KV import: {why}")));
+        if self.store_layers == 0 && kv.layers.is_empty() {
+            // No layers here, so no table to keep (such a stage never takes cells).
+            return Ok(());
+        }
+        let take_table = self.n_used == 0;
+        self.check_table(&kv.cells, take_table)?;
+        let n = kv.cells.len();
+        let mine = self.layers();
+        let (k_row, v_row) = self.row_bytes();
+        for (i, l) in kv.layers.iter().enumerate() {
+            if !mine.contains(&l.layer) {
+                return bad(format!(
+                    "layer {} is outside this cache's layers {mine:?}",
+                    l.layer
+                ));
+            }
+            if kv.layers[..i].iter().any(|o| o.layer == l.layer) {
+                return bad(format!("layer {} comes twice", l.layer));
+            }
+            for (what, got, row) in [("K", l.k.len(), k_row), ("V", l.v.len(), v_row)] {
+                if got != n * row {
+                    return bad(format!(
+                        "layer {}'s {what} is {got} bytes but {n} cells of {row} bytes are {}",
+                        l.layer,
+                        n * row
+                    ));
+                }
+            }
+        }
+        for l in &kv.layers {
+            write_rows(self.k(l.layer), &l.k);
+            if self.has_v {
+                write_rows(self.layer(l.layer).1, &l.v);
+            }
+        }
+        if take_table {
+            self.cells.fill(None);
+            for (c, k) in self.cells.iter_mut().zip(&kv.cells) {
+                *c = k.map(|(seq, pos)| Cell { seq, pos });
+            }
+            self.n_used = kv.cells.iter().flatten().count();
+            self.used_end = n;
+            self.shrink();
+        }
+        Ok(())
+    }
+
+    /// Checks an exported cell table against this cache: with `take`, that
+    /// it fits (cells, sequences, positions); else that it is this cache's.
+    pub(crate) fn check_table(
+        &self,
+        cells: &[Option<(u32, i32)>],
+        take: bool,
+    ) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Config(format!("KV import: {why}")));
+        let n = cells.len();
+        if n > self.cells.len() {
+            return bad(format!(
+                "the import carries {n} cells but this cache has {}",
+                self.cells.len()
+            ));
+        }
+        if take {
+            for (i, c) in cells.iter().enumerate() {
+                if let Some((s, p)) = *c {
+                    if s as usize >= self.cfg.n_seq || p < 0 || p as usize >= self.cfg.n_ctx {
+                        return bad(format!(
+                            "cell {i} holds sequence {s} position {p}, outside this cache's {} sequences of {} positions",
+                            self.cfg.n_seq, self.cfg.n_ctx
+                        ));
+                    }
+                }
+            }
+        } else {
+            let show = |c: Option<(u32, i32)>| match c {
+                Some((s, p)) => format!("sequence {s} position {p}"),
+                None => "a free cell".into(),
+            };
+            for i in 0..n.max(self.used_end) {
+                let here = self.cells[i].map(|c| (c.seq, c.pos));
+                let there = cells.get(i).copied().flatten();
+                if here != there {
+                    return bad(format!(
+                        "cell tables differ at cell {i}: this cache has {}, the import {}",
+                        show(here),
+                        show(there)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of one cell's K row and V row (0 without V).
+    fn row_bytes(&self) -> (usize, usize) {
+        if self.store_layers == 0 {
+            return (0, 0);
+        }
+        let k = self.k(self.first_layer).nb()[1];
+        let v = if self.has_v {
+            self.layer(self.first_layer).1.nb()[1]
+        } else {
+            0
+        };
+        (k, v)
+    }
+}
+
+/// The first `rows` rows of a cache tensor (rows are cells, contiguous).
+fn read_rows(t: Tensor<'_>, rows: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * t.nb()[1]];
+    bytes::read(t, &mut out);
+    out
+}
+
+/// Sets the first rows of a cache tensor to `data` and zeroes the rest.
+fn write_rows(t: Tensor<'_>, data: &[u8]) {
+    bytes::write(t, data);
+}
+
+/// Raw byte access to the front of a cache tensor. This belongs in
+/// `ffi::ggml` beside `Tensor::write_bytes` (it is FFI like the rest of
+/// that module) and moves there when that file is next open; it is here
+/// only to keep the change that added KV moves to the KV files.
+mod bytes {
+    use std::ffi::c_void;
+
+    use crate::ffi::ggml::Tensor;
+
+    /// Fills `out` from the tensor's first `out.len()` bytes.
+    pub(super) fn read(t: Tensor<'_>, out: &mut [u8]) {
+        assert!(t.is_allocated() && out.len() <= t.nbytes());
+        if out.is_empty() {
+            return;
+        }
+        // SAFETY: the tensor is allocated on a host buffer and holds at
+        // least `out.len()` bytes (checked above); `out` is that long.
+        unsafe {
+            llama_cpp_sys_2::ggml_backend_tensor_get(
+                t.raw(),
+                out.as_mut_ptr() as *mut c_void,
+                0,
+                out.len(),
+            )
+        }
+    }
+
+    /// Copies `data` into the tensor's first bytes and zeroes the rest.
+    pub(super) fn write(t: Tensor<'_>, data: &[u8]) {
+        let n = t.nbytes();
+        assert!(t.is_allocated() && data.len() <= n);
+        // SAFETY: as in `read`: an allocated host tensor of `n` bytes, and
+        // both ranges lie inside it.
+        unsafe {
+            if !data.is_empty() {
+                llama_cpp_sys_2::ggml_backend_tensor_set(
+                    t.raw(),
+                    data.as_ptr() as *const c_void,
+                    0,
+                    data.len(),
+                );
+            }
+            if data.len() < n {
+                llama_cpp_sys_2::ggml_backend_tensor_memset(t.raw(), 0, data.len(), n - data.len());
+            }
+        }
     }
 }

@@ -25,7 +25,7 @@ pub mod units;
 pub use error::EngineError;
 pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};
 pub use generate::{Engine, GenerateOptions, Generation};
-pub use kv::KvConfig;
+pub use kv::{KvConfig, KvLayer, KvLayers};
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
 pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput};
 pub use tokenizer::{StreamDecoder, Tokenizer};

@@ -15,7 +15,7 @@ use crate::ffi::ggml::{
     self, Buffer, BufferType, CpuBackend, Ctx, GraphAllocator, Tensor, TensorStore, TYPE_F16,
     TYPE_F32, TYPE_I32, TYPE_I64,
 };
-use crate::kv::{KvCache, KvConfig};
+use crate::kv::{KvCache, KvConfig, KvLayers};
 use crate::model::layers::{finish_moe, Activation, LayerCx};
 use crate::model::moe::{moe_experts, Routing};
 use crate::model::{ModelFile, WeightOp};
@@ -659,6 +659,104 @@ impl Stage {
     /// Bytes of the routed-expert subsets kept on this stage.
     pub fn device_expert_bytes(&self) -> u64 {
         self.device.values().map(|d| d.bytes).sum()
+    }
+
+    /// The KV cache of `layers` (inside this stage's range) for every
+    /// sequence, to hand to the stage that takes those layers over; see
+    /// [`KvCache::export`]. The stage is unchanged.
+    pub fn export_kv(&self, layers: Range<u32>) -> Result<KvLayers, EngineError> {
+        self.kv.export(layers)
+    }
+
+    /// Puts exported layers into this stage's KV cache ([`KvCache::import`]).
+    pub fn import_kv(&mut self, kv: &KvLayers) -> Result<(), EngineError> {
+        self.kv.import(kv)
+    }
+
+    /// Makes this stage run `range` instead, keeping its sequences: as
+    /// [`Stage::rerange_offloaded`] with the offloaded layers that stay in
+    /// the range (and their kept experts).
+    pub fn rerange(
+        &mut self,
+        range: LayerRange,
+        incoming: Option<&KvLayers>,
+    ) -> Result<(), EngineError> {
+        let offloaded: Vec<u32> = self
+            .offloaded
+            .iter()
+            .copied()
+            .filter(|l| range.layers.contains(l))
+            .collect();
+        self.rerange_offloaded(range, &offloaded, incoming)
+    }
+
+    /// Makes this stage run `range` (with these `offloaded` layers) at a
+    /// step boundary, keeping every sequence: loads a new stage for
+    /// `range` with the same configuration, copies the KV cache of the
+    /// layers both ranges share from this one, imports `incoming` (the
+    /// [`Stage::export_kv`] of the neighbour that gave up the other layers;
+    /// it must hold every layer of `range` this stage did not run, and the
+    /// same cell table) and only then replaces this stage. Offloaded layers
+    /// still offloaded keep their kept experts and their selection counts.
+    ///
+    /// On any error this stage is left exactly as it was (rollback) and
+    /// still runs its old range. Memory: the new stage is complete before
+    /// the old one is dropped, so the peak is both stages at once (repacked
+    /// weights, KV cache and compute buffer of each; mapped weights are
+    /// shared through the model's memory map), plus one layer's used KV
+    /// rows in transit.
+    pub fn rerange_offloaded(
+        &mut self,
+        range: LayerRange,
+        offloaded: &[u32],
+        incoming: Option<&KvLayers>,
+    ) -> Result<(), EngineError> {
+        let old = self.range.layers.clone();
+        let bad = |why: String| {
+            Err(EngineError::Config(format!(
+                "moving {} to {range}: {why}",
+                self.range
+            )))
+        };
+        // Cheap checks before the expensive load.
+        let missing: Vec<u32> = range
+            .layers
+            .clone()
+            .filter(|l| {
+                !old.contains(l)
+                    && !incoming.is_some_and(|kv| kv.layers.iter().any(|x| x.layer == *l))
+            })
+            .collect();
+        if !missing.is_empty() {
+            return bad(format!(
+                "the KV cache of layers {missing:?} is not in the incoming export"
+            ));
+        }
+        if let (Some(kv), false) = (incoming, old.is_empty()) {
+            self.kv
+                .check_table(&kv.cells, false)
+                .or_else(|e| bad(e.to_string()))?;
+        }
+        let mut new =
+            Stage::load_offloaded(self.model.clone(), range, self.cfg.clone(), offloaded)?;
+        let shared = old.start.max(new.range.layers.start)..old.end.min(new.range.layers.end);
+        // One layer at a time, so only one layer's rows are in transit.
+        for il in shared {
+            new.kv.import(&self.kv.export(il..il + 1)?)?;
+        }
+        if let Some(kv) = incoming {
+            new.kv.import(kv)?;
+        }
+        for &il in &new.offloaded.clone() {
+            if let Some(counts) = self.expert_counts.get(&il) {
+                new.expert_counts.insert(il, counts.clone());
+            }
+            if let Some(d) = self.device.get(&il) {
+                new.set_device_experts(il, &d.ids)?;
+            }
+        }
+        *self = new;
+        Ok(())
     }
 
     /// Frees the KV cells of `seq` (all of them, or from position `from` on).
