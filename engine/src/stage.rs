@@ -741,11 +741,15 @@ impl Stage {
             Stage::load_offloaded(self.model.clone(), range, self.cfg.clone(), offloaded)?;
         let shared = old.start.max(new.range.layers.start)..old.end.min(new.range.layers.end);
         // One layer at a time, so only one layer's rows are in transit.
+        let in_move = |e: EngineError| {
+            EngineError::Config(format!("moving {} to {}: {e}", self.range, new.range))
+        };
         for il in shared {
-            new.kv.import(&self.kv.export(il..il + 1)?)?;
+            let one = self.kv.export(il..il + 1)?;
+            new.kv.import(&one).map_err(in_move)?;
         }
         if let Some(kv) = incoming {
-            new.kv.import(kv)?;
+            new.kv.import(kv).map_err(in_move)?;
         }
         for &il in &new.offloaded.clone() {
             if let Some(counts) = self.expert_counts.get(&il) {
