@@ -28,6 +28,9 @@ pub struct Placement {
     pub offloaded: String,
     /// Weights, KV cache and compute buffer, as loaded.
     pub planned_bytes: u64,
+    /// Stages: the layer range; expert workers: the layers of their experts.
+    pub range: std::ops::Range<u32>,
+    pub expert_layers: Vec<u32>,
 }
 
 /// The cluster as the coordinator made it: what the admin API shows.
@@ -42,14 +45,22 @@ pub struct ClusterView {
 
 /// What the admin service reads: the view once the cluster is up, and the
 /// health the watchers report.
-#[derive(Default)]
 pub struct AdminState {
     pub view: Mutex<Option<Arc<ClusterView>>>,
+    pub metrics: Arc<crate::metrics::Metrics>,
     /// Worker id -> "serving" or why not.
     pub health: Mutex<HashMap<String, String>>,
 }
 
 impl AdminState {
+    pub fn new(metrics: Arc<crate::metrics::Metrics>) -> AdminState {
+        AdminState {
+            view: Mutex::default(),
+            metrics,
+            health: Mutex::default(),
+        }
+    }
+
     pub fn set_health(&self, worker: &str, health: String) {
         self.health
             .lock()
@@ -142,6 +153,9 @@ impl admin_server::Admin for AdminSvc {
                 memory_free: inv.memory_free,
                 memory_planned: p.planned_bytes,
                 stage: p.stage,
+                layer_start: p.range.start,
+                layer_end: p.range.end,
+                expert_layers: p.expert_layers.clone(),
                 layers: p.layers.clone(),
                 offloaded: p.offloaded.clone(),
                 health: health
@@ -157,6 +171,7 @@ impl admin_server::Admin for AdminSvc {
                         info.kv_cells_total = s.kv_cells_total;
                         info.steps = s.steps;
                         info.last_step_ms = s.last_step_ms;
+                        info.tokens = s.tokens;
                         if s.memory_total > 0 {
                             info.memory_total = s.memory_total;
                             info.memory_free = s.memory_free;
@@ -170,7 +185,14 @@ impl admin_server::Admin for AdminSvc {
             }
             workers.push(info);
         }
-        Ok(Response::new(ListWorkersReply { workers }))
+        let m = &self.0.metrics;
+        Ok(Response::new(ListWorkersReply {
+            workers,
+            model: view.plan.model.clone(),
+            n_layer: view.plan.n_layer,
+            tokens_out: m.tokens_out.get(),
+            active_sequences: m.active_sequences.get(),
+        }))
     }
 
     async fn get_plan(&self, _: Request<GetPlanRequest>) -> Result<Response<PlanReply>, Status> {

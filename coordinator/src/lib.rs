@@ -210,7 +210,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         }),
         next_seq: 1.into(),
         metrics: metrics.clone(),
-        admin: Arc::default(),
+        admin: Arc::new(admin::AdminState::new(metrics.clone())),
     });
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -519,6 +519,8 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             layers: st.range.to_string(),
             offloaded: plan::fmt_layers(&st.offloaded),
             planned_bytes: lr.weight_bytes + lr.kv_bytes + lr.compute_bytes,
+            range: st.range.layers.clone(),
+            expert_layers: Vec::new(),
         });
         for (route, how) in routes.iter().zip(&r.expert_transports) {
             tracing::info!(
@@ -564,6 +566,13 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             layers: e.layers.clone(),
             offloaded: String::new(),
             planned_bytes: e.weight_bytes + e.compute_bytes,
+            range: 0..0,
+            expert_layers: plan
+                .experts
+                .iter()
+                .find(|p| p.worker == e.worker_id)
+                .map(|p| p.layers.clone())
+                .unwrap_or_default(),
         });
     }
     *shared.admin.view.lock().unwrap() = Some(Arc::new(admin::ClusterView {

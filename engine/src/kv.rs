@@ -556,60 +556,11 @@ impl KvCache {
 /// The first `rows` rows of a cache tensor (rows are cells, contiguous).
 fn read_rows(t: Tensor<'_>, rows: usize) -> Vec<u8> {
     let mut out = vec![0u8; rows * t.nb()[1]];
-    bytes::read(t, &mut out);
+    t.read_front(&mut out);
     out
 }
 
 /// Sets the first rows of a cache tensor to `data` and zeroes the rest.
 fn write_rows(t: Tensor<'_>, data: &[u8]) {
-    bytes::write(t, data);
-}
-
-/// Raw byte access to the front of a cache tensor. This belongs in
-/// `ffi::ggml` beside `Tensor::write_bytes` (it is FFI like the rest of
-/// that module) and moves there when that file is next open; it is here
-/// only to keep the change that added KV moves to the KV files.
-mod bytes {
-    use std::ffi::c_void;
-
-    use crate::ffi::ggml::Tensor;
-
-    /// Fills `out` from the tensor's first `out.len()` bytes.
-    pub(super) fn read(t: Tensor<'_>, out: &mut [u8]) {
-        assert!(t.is_allocated() && out.len() <= t.nbytes());
-        if out.is_empty() {
-            return;
-        }
-        // SAFETY: the tensor is allocated on a host buffer and holds at
-        // least `out.len()` bytes (checked above); `out` is that long.
-        unsafe {
-            llama_cpp_sys_2::ggml_backend_tensor_get(
-                t.raw(),
-                out.as_mut_ptr() as *mut c_void,
-                0,
-                out.len(),
-            )
-        }
-    }
-
-    /// Copies `data` into the tensor's first bytes and zeroes the rest.
-    pub(super) fn write(t: Tensor<'_>, data: &[u8]) {
-        let n = t.nbytes();
-        assert!(t.is_allocated() && data.len() <= n);
-        // SAFETY: as in `read`: an allocated host tensor of `n` bytes, and
-        // both ranges lie inside it.
-        unsafe {
-            if !data.is_empty() {
-                llama_cpp_sys_2::ggml_backend_tensor_set(
-                    t.raw(),
-                    data.as_ptr() as *const c_void,
-                    0,
-                    data.len(),
-                );
-            }
-            if data.len() < n {
-                llama_cpp_sys_2::ggml_backend_tensor_memset(t.raw(), 0, data.len(), n - data.len());
-            }
-        }
-    }
+    t.write_front(data);
 }

@@ -31,7 +31,7 @@ pub struct WorkersArgs {
 
 /// Adds `authorization: Bearer <token>` to every call (when there is a token).
 #[derive(Clone)]
-struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+pub(crate) struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
 
 impl tonic::service::Interceptor for Bearer {
     fn call(&mut self, mut r: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
@@ -45,7 +45,8 @@ impl tonic::service::Interceptor for Bearer {
 type Client =
     AdminClient<tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>>;
 
-async fn client(a: &AdminArgs) -> anyhow::Result<Client> {
+/// A client of the admin API at `a.admin`, sending `a.token`.
+pub(crate) async fn admin_client(a: &AdminArgs) -> anyhow::Result<Client> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", a.admin))?
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(30))
@@ -69,14 +70,14 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn refused(s: tonic::Status) -> anyhow::Error {
+pub(crate) fn refused(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("the admin API refused: {} ({:?})", s.message(), s.code())
 }
 
 pub fn workers(a: &WorkersArgs) -> anyhow::Result<()> {
     let rt = runtime()?;
     let ws = rt.block_on(async {
-        let mut c = client(&a.admin).await?;
+        let mut c = admin_client(&a.admin).await?;
         let r = c
             .list_workers(ListWorkersRequest {})
             .await
@@ -174,7 +175,7 @@ pub fn plan(
     let rt = runtime()?;
     let dry = layers.is_some() || split.is_some() || experts.is_some() || gpu_experts.is_some();
     let reply = rt.block_on(async {
-        let mut c = client(a).await?;
+        let mut c = admin_client(a).await?;
         let r = if dry {
             c.plan_dry_run(PlanDryRunRequest {
                 layers: layers.unwrap_or_default(),

@@ -10,6 +10,7 @@ mod fetch;
 mod generate;
 mod plan;
 mod remote;
+mod top;
 mod up;
 
 use std::path::PathBuf;
@@ -48,6 +49,8 @@ pub enum Command {
     Up(up::UpArgs),
     /// List a running cluster's workers: memory, what they hold, KV cache, step time, health (admin API).
     Workers(admin::WorkersArgs),
+    /// A live terminal view of a running cluster: layers, tokens/s, step time, memory (admin API).
+    Top(top::TopArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -63,6 +66,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(args) => plan::run(&args),
         Command::Up(args) => up::run(args),
         Command::Workers(args) => admin::workers(&args),
+        Command::Top(args) => top::run(&args),
     }
 }
 

@@ -148,6 +148,25 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
         );
     }
 
+    // `omnictl top --once`: one frame of the live view, layers as bars.
+    let (ok, top, err) = omnictl(&c, Some(TOKEN), &["top", "--once", "--interval", "0.2"]);
+    assert!(ok, "{err}");
+    assert!(
+        top.starts_with("omni: ") && top.contains("| 4 layers |"),
+        "{top}"
+    );
+    let bar = |id: &str| {
+        top.lines()
+            .find(|l| l.starts_with(id))
+            .and_then(|l| l.split_whitespace().find(|w| w.contains('█')))
+            .unwrap_or_else(|| panic!("{id} has a layer bar:\n{top}"))
+            .to_string()
+    };
+    // embed + layers 0..2 | layers 2..4 + head | the experts of 1-3.
+    assert_eq!(bar("w0"), "██··", "{top}");
+    assert_eq!(bar("w1"), "··██", "{top}");
+    assert_eq!(bar("c0"), "·███", "{top}");
+
     let (ok, plan, err) = omnictl(&c, Some(TOKEN), &["plan"]);
     assert!(ok, "{err}");
     assert_eq!(

@@ -521,6 +521,44 @@ impl<'a> Tensor<'a> {
         };
     }
 
+    /// Fills `out` from the tensor's first `out.len()` bytes (moving KV rows).
+    pub fn read_front(&self, out: &mut [u8]) {
+        assert!(self.is_allocated() && out.len() <= self.nbytes());
+        if out.is_empty() {
+            return;
+        }
+        // SAFETY: an allocated host tensor of at least `out.len()` bytes
+        // (checked above); `out` is that long.
+        unsafe {
+            sys::ggml_backend_tensor_get(
+                self.raw.as_ptr(),
+                out.as_mut_ptr() as *mut c_void,
+                0,
+                out.len(),
+            )
+        };
+    }
+
+    /// Copies `data` into the tensor's first bytes and zeroes the rest.
+    pub fn write_front(&self, data: &[u8]) {
+        let n = self.nbytes();
+        assert!(self.is_allocated() && data.len() <= n);
+        // SAFETY: an allocated host tensor of `n` bytes; both ranges lie inside it.
+        unsafe {
+            if !data.is_empty() {
+                sys::ggml_backend_tensor_set(
+                    self.raw.as_ptr(),
+                    data.as_ptr() as *const c_void,
+                    0,
+                    data.len(),
+                );
+            }
+            if data.len() < n {
+                sys::ggml_backend_tensor_memset(self.raw.as_ptr(), 0, data.len(), n - data.len());
+            }
+        }
+    }
+
     /// Reads the whole tensor as f32 (it must be F32).
     pub fn read_f32(&self, out: &mut Vec<f32>) {
         assert_eq!(self.ty(), TYPE_F32);

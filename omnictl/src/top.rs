@@ -1,0 +1,287 @@
+//! `omnictl top`: a live view of a running cluster in the terminal
+//! (ratatui): every worker with its layers as a bar over the model's
+//! layers, tokens per second, step time, planned memory against the
+//! device's, KV cells in use and health, refreshed every `--interval`
+//! seconds from the admin API. `q` or Esc quits. `--once` prints one frame
+//! as text and exits (for scripts and logs).
+
+use crate::admin::{admin_client, AdminArgs};
+use clap::Args;
+use omni_proto::admin::v1::{ListWorkersReply, ListWorkersRequest};
+use ratatui::crossterm::event::{self, Event, KeyCode};
+use ratatui::layout::{Constraint, Layout};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct TopArgs {
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    /// Seconds between refreshes.
+    #[arg(long, default_value_t = 1.0)]
+    pub interval: f64,
+    /// Print one frame as text and exit (the rates over one interval).
+    #[arg(long)]
+    pub once: bool,
+}
+
+/// Two snapshots make rates.
+struct Sample {
+    at: Instant,
+    reply: ListWorkersReply,
+}
+
+/// One frame's numbers, from the newest snapshot and the one before.
+struct Frame {
+    title: String,
+    header: Vec<&'static str>,
+    rows: Vec<Vec<String>>,
+    healthy: Vec<bool>,
+}
+
+const BAR: usize = 32;
+
+/// `████····` over the model's layers: which of them the worker holds.
+fn layer_bar(n_layer: u32, held: impl Fn(u32) -> bool) -> String {
+    let n = n_layer.max(1) as usize;
+    let width = n.min(BAR);
+    (0..width)
+        .map(|i| {
+            // Each character covers layers [i*n/width, (i+1)*n/width).
+            let (a, b) = (
+                (i * n / width) as u32,
+                (((i + 1) * n).div_ceil(width)) as u32,
+            );
+            if (a..b.max(a + 1)).any(&held) {
+                '█'
+            } else {
+                '·'
+            }
+        })
+        .collect()
+}
+
+fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
+    use omni_engine::fmt_bytes;
+    let r = &now.reply;
+    let secs = before.map(|b| (now.at - b.at).as_secs_f64().max(1e-3));
+    let tok_s = match (before, secs) {
+        (Some(b), Some(s)) => format!(
+            "{:.1}",
+            r.tokens_out.saturating_sub(b.reply.tokens_out) as f64 / s
+        ),
+        _ => "-".into(),
+    };
+    let earlier: HashMap<&str, u64> = before
+        .map(|b| {
+            b.reply
+                .workers
+                .iter()
+                .map(|w| (w.id.as_str(), w.tokens))
+                .collect()
+        })
+        .unwrap_or_default();
+    let title = format!(
+        "omni: {} | {} layers | {} sequences running | {tok_s} tokens/s out",
+        r.model, r.n_layer, r.active_sequences
+    );
+    let header = vec![
+        "worker", "kind", "device", "layers", "range", "tok/s in", "step ms", "memory", "KV cells",
+        "health",
+    ];
+    let mut rows = Vec::new();
+    let mut healthy = Vec::new();
+    for w in &r.workers {
+        let stage = w.kind == "stage";
+        let bar = if stage {
+            layer_bar(r.n_layer, |l| (w.layer_start..w.layer_end).contains(&l))
+        } else {
+            layer_bar(r.n_layer, |l| w.expert_layers.contains(&l))
+        };
+        let rate = match (earlier.get(w.id.as_str()), secs) {
+            (Some(&t0), Some(s)) if stage => {
+                format!("{:.1}", w.tokens.saturating_sub(t0) as f64 / s)
+            }
+            _ => "-".into(),
+        };
+        rows.push(vec![
+            w.id.clone(),
+            if stage {
+                format!("stage {}", w.stage)
+            } else {
+                "experts".into()
+            },
+            w.device.clone(),
+            bar,
+            if stage {
+                w.layers.clone()
+            } else {
+                format!("experts of {}", w.layers)
+            },
+            rate,
+            if stage {
+                format!("{:.2}", w.last_step_ms)
+            } else {
+                "-".into()
+            },
+            format!(
+                "{} of {}",
+                fmt_bytes(w.memory_planned),
+                fmt_bytes(w.memory_total)
+            ),
+            if stage {
+                format!("{}/{}", w.kv_cells_used, w.kv_cells_total)
+            } else {
+                "-".into()
+            },
+            w.health.clone(),
+        ]);
+        healthy.push(w.health == "serving");
+    }
+    Frame {
+        title,
+        header,
+        rows,
+        healthy,
+    }
+}
+
+/// The frame as plain text columns (`--once`).
+fn text(f: &Frame) -> String {
+    let mut widths: Vec<usize> = f.header.iter().map(|h| h.chars().count()).collect();
+    for r in &f.rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = String::new();
+        for (c, w) in cells.iter().zip(&widths) {
+            s.push_str(c);
+            s.push_str(&" ".repeat(w - c.chars().count() + 2));
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = f.title.clone() + "\n";
+    out += &line(f.header.clone());
+    for r in &f.rows {
+        out += &line(r.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+pub fn run(a: &TopArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut client = rt.block_on(admin_client(&a.admin))?;
+    let interval = Duration::from_secs_f64(a.interval.max(0.1));
+    let mut snap = || -> anyhow::Result<Sample> {
+        let reply = rt
+            .block_on(client.list_workers(ListWorkersRequest {}))
+            .map_err(crate::admin::refused)?
+            .into_inner();
+        Ok(Sample {
+            at: Instant::now(),
+            reply,
+        })
+    };
+    if a.once {
+        let first = snap()?;
+        std::thread::sleep(interval);
+        let second = snap()?;
+        print!("{}", text(&frame(&second, Some(&first))));
+        return Ok(());
+    }
+    let mut terminal = ratatui::init();
+    let result = (|| -> anyhow::Result<()> {
+        let mut before: Option<Sample> = None;
+        let mut now = snap()?;
+        loop {
+            let f = frame(&now, before.as_ref());
+            terminal.draw(|t| {
+                let [top, body, foot] = Layout::vertical([
+                    Constraint::Length(1),
+                    Constraint::Min(3),
+                    Constraint::Length(1),
+                ])
+                .areas(t.area());
+                t.render_widget(
+                    Paragraph::new(f.title.clone())
+                        .style(Style::default().add_modifier(Modifier::BOLD)),
+                    top,
+                );
+                let rows = f.rows.iter().zip(&f.healthy).map(|(r, ok)| {
+                    let style = if *ok {
+                        Style::default()
+                    } else {
+                        Style::default().fg(Color::Red)
+                    };
+                    Row::new(r.iter().map(|c| Cell::from(c.clone()))).style(style)
+                });
+                let widths = [
+                    Constraint::Length(7),
+                    Constraint::Length(8),
+                    Constraint::Length(8),
+                    Constraint::Length(BAR as u16 + 1),
+                    Constraint::Min(22),
+                    Constraint::Length(9),
+                    Constraint::Length(8),
+                    Constraint::Length(22),
+                    Constraint::Length(11),
+                    Constraint::Min(8),
+                ];
+                t.render_widget(
+                    Table::new(rows, widths)
+                        .header(
+                            Row::new(f.header.iter().copied())
+                                .style(Style::default().add_modifier(Modifier::BOLD)),
+                        )
+                        .block(Block::default().borders(Borders::TOP)),
+                    body,
+                );
+                t.render_widget(
+                    Paragraph::new(format!(
+                        "refresh every {:.1}s from the admin API at {} | q quits",
+                        interval.as_secs_f64(),
+                        a.admin.admin
+                    )),
+                    foot,
+                );
+            })?;
+            let deadline = Instant::now() + interval;
+            while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+                if event::poll(left)? {
+                    if let Event::Key(k) = event::read()? {
+                        if matches!(k.code, KeyCode::Char('q') | KeyCode::Esc) {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+            before = Some(now);
+            now = snap()?;
+        }
+    })();
+    ratatui::restore();
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_bars_cover_the_held_layers() {
+        assert_eq!(layer_bar(4, |l| (0..2).contains(&l)), "██··");
+        assert_eq!(layer_bar(4, |l| [1, 3].contains(&l)), "·█·█");
+        // 64 layers on 32 characters: two layers a character.
+        let b = layer_bar(64, |l| (10..20).contains(&l));
+        assert_eq!(b.chars().count(), 32);
+        assert_eq!(b.chars().filter(|&c| c == '█').count(), 5);
+        // 61 layers (DeepSeek-R1): the last layer still shows.
+        assert!(layer_bar(61, |l| l == 60).ends_with('█'));
+    }
+}
