@@ -349,6 +349,20 @@ impl Cluster {
     }
 }
 
+/// A greedy request for `prompt` that runs `max_tokens` steps (end-of-text
+/// tokens do not stop it, as in llama.cpp's references).
+pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    use omni_proto::coordinator::v1::{generate_request::Prompt, TokenIds};
+    GenerateRequest {
+        prompt: Some(Prompt::Ids(TokenIds {
+            ids: prompt.to_vec(),
+        })),
+        max_tokens: max_tokens as u32,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
 /// Reads a Generate stream to its end (with a 5-minute deadline).
 pub async fn collect(
     c: &mut InferenceClient<tonic::transport::Channel>,

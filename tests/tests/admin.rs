@@ -9,10 +9,7 @@
 //! of another split shows its arithmetic without moving anything.
 
 use omni_proto::admin::v1::{admin_client::AdminClient, ListWorkersRequest};
-use omni_proto::coordinator::v1::{
-    generate_request::Prompt, inference_client::InferenceClient, GenerateRequest, InfoRequest,
-    TokenIds,
-};
+use omni_proto::coordinator::v1::{inference_client::InferenceClient, InfoRequest};
 use omni_tests::fixtures::fixtures_dir;
 use omni_tests::{target_bin, Cluster, ClusterSpec};
 use std::process::Command;
@@ -99,13 +96,7 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
     let _g = serial();
     let c = cluster(Some(TOKEN));
     let prompt: Vec<u32> = (1..20).collect();
-    c.generate(GenerateRequest {
-        prompt: Some(Prompt::Ids(TokenIds { ids: prompt })),
-        max_tokens: 8,
-        ignore_eos: true,
-        ..Default::default()
-    })
-    .unwrap();
+    c.generate(omni_tests::greedy(&prompt, 8)).unwrap();
     let info = c.info().unwrap();
 
     let (ok, out, err) = omnictl(&c, Some(TOKEN), &["workers", "--json"]);

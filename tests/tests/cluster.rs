@@ -9,9 +9,9 @@
 //! in bounded time.
 
 use omni_engine::{Engine, GenerateOptions, StageConfig};
-use omni_proto::coordinator::v1::{generate_request::Prompt, GenerateRequest, TokenIds};
+use omni_proto::coordinator::v1::{generate_request::Prompt, GenerateRequest};
 use omni_tests::fixtures::{fixtures_dir, json, model, GEMMA, QWEN};
-use omni_tests::{ids, Cluster, ClusterSpec};
+use omni_tests::{greedy, ids, Cluster, ClusterSpec};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -24,17 +24,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 const N_GEN: usize = 16;
-
-fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt: Some(Prompt::Ids(TokenIds {
-            ids: prompt.to_vec(),
-        })),
-        max_tokens: max_tokens as u32,
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
 
 /// Fixture prompts (the short ones: the long prose passage adds minutes on
 /// two cores and nothing the short ones don't test).

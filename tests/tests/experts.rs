@@ -7,9 +7,8 @@
 //! on the device changes where work happens, not the tokens; and an expert
 //! worker that dies ends the request with an error that names it.
 
-use omni_proto::coordinator::v1::{generate_request::Prompt, GenerateRequest, TokenIds};
 use omni_tests::fixtures::{fixtures_dir, json};
-use omni_tests::{ids, Cluster, ClusterSpec};
+use omni_tests::{greedy, ids, Cluster, ClusterSpec};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -35,17 +34,6 @@ const FILES: [&str; 9] = [
 
 fn file(name: &str) -> PathBuf {
     fixtures_dir().join(format!("synthetic/tiny-{name}.gguf"))
-}
-
-fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        prompt: Some(Prompt::Ids(TokenIds {
-            ids: prompt.to_vec(),
-        })),
-        max_tokens: max_tokens as u32,
-        ignore_eos: true,
-        ..Default::default()
-    }
 }
 
 /// (prompt, llama.cpp's greedy ids) of every generation in the fixture.
