@@ -379,12 +379,16 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             anyhow::Ok(r.into_inner())
         }));
     }
+    // The plan names only registered expert workers.
+    let expert_worker = |id: &str| -> &Registered {
+        expert_workers
+            .iter()
+            .find(|w| w.id == id)
+            .expect("the plan names registered expert workers")
+    };
     let mut expert_loads = Vec::new();
     for ep in &plan.experts {
-        let w = expert_workers
-            .iter()
-            .find(|w| w.id == ep.worker)
-            .expect("the plan names registered expert workers");
+        let w = expert_worker(&ep.worker);
         let req = LoadExpertsRequest {
             model_path: cfg.model.display().to_string(),
             layers: ep.layers.clone(),
@@ -412,10 +416,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     let mut expert_info = Vec::new();
     for (ep, l) in plan.experts.iter().zip(expert_loads) {
         let r = l.await??;
-        let w = expert_workers
-            .iter()
-            .find(|w| w.id == ep.worker)
-            .expect("the plan names registered expert workers");
+        let w = expert_worker(&ep.worker);
         tracing::info!(
             "expert worker {} holds the experts of layers {} ({} weights, {} compute; {})",
             w.id,
@@ -457,11 +458,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             match routes.iter_mut().find(|r| r.worker_id == ep.worker) {
                 Some(r) => r.layers.push(il),
                 None => {
-                    let addr = &expert_workers
-                        .iter()
-                        .find(|w| w.id == ep.worker)
-                        .expect("the plan names registered expert workers")
-                        .addr;
+                    let addr = &expert_worker(&ep.worker).addr;
                     routes.push(ExpertRoute {
                         worker_id: ep.worker.clone(),
                         grpc_addr: addr.clone(),
@@ -556,10 +553,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         .name("scheduler".into())
         .spawn(move || sched.run(ev_rx, frames))?;
     for e in &expert_info {
-        let w = expert_workers
-            .iter()
-            .find(|w| w.id == e.worker_id)
-            .expect("expert info is about registered workers");
+        let w = expert_worker(&e.worker_id);
         placements.push(admin::Placement {
             worker: w.clone(),
             stage: 0,

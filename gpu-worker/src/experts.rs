@@ -38,11 +38,6 @@ impl RemoteExperts {
         &self.routes
     }
 
-    /// The layers some route serves.
-    pub fn serves(&self, layer: u32) -> bool {
-        self.routes.iter().any(|r| r.layers.contains(&layer))
-    }
-
     /// Time spent waiting since the last call, and resets it.
     pub fn take_waited(&mut self) -> Duration {
         std::mem::take(&mut self.waited)

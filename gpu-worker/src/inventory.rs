@@ -18,8 +18,7 @@ pub fn read(device: &str, cap: Option<u64>) -> anyhow::Result<Inventory> {
     };
     if device == "cpu" {
         inv.device_name = cpu_name();
-        inv.memory_total = sys.total_memory();
-        inv.memory_free = sys.available_memory();
+        (inv.memory_total, inv.memory_free) = (sys.total_memory(), sys.available_memory());
     } else if let Some(idx) = device.strip_prefix("cuda:") {
         let idx: u32 = idx
             .parse()
@@ -52,6 +51,18 @@ pub fn read(device: &str, cap: Option<u64>) -> anyhow::Result<Inventory> {
         inv.memory_free = inv.memory_free.min(cap);
     }
     Ok(inv)
+}
+
+/// The memory a `cpu` device has now, (total, free), with `cap` applied: the
+/// cheap part of [`read`], for status answers. None for other devices.
+pub fn cpu_memory(device: &str, cap: Option<u64>) -> Option<(u64, u64)> {
+    if device != "cpu" {
+        return None;
+    }
+    let mut sys = sysinfo::System::new();
+    sys.refresh_memory();
+    let cap = cap.unwrap_or(u64::MAX);
+    Some((sys.total_memory().min(cap), sys.available_memory().min(cap)))
 }
 
 /// GPUs NVML can see, for the log line at start (none without a driver).

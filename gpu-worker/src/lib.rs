@@ -249,7 +249,7 @@ impl worker_server::Worker for Svc {
                     .sum()
             })
         };
-        let memory = inventory::read(&w.cfg.device, w.cfg.memory).ok();
+        let memory = inventory::cpu_memory(&w.cfg.device, w.cfg.memory);
         let st = w.state.lock().unwrap();
         Ok(Response::new(StatusReply {
             worker_id: w.id.clone(),
@@ -271,8 +271,8 @@ impl worker_server::Worker for Svc {
             expert_bytes_received: link_stats(|s| &s.bytes_received),
             expert_calls: link_stats(|s| &s.frames_sent),
             tokens: w.stats.tokens.load(Ordering::Relaxed),
-            memory_total: memory.as_ref().map_or(0, |m| m.memory_total),
-            memory_free: memory.as_ref().map_or(0, |m| m.memory_free),
+            memory_total: memory.map_or(0, |m| m.0),
+            memory_free: memory.map_or(0, |m| m.1),
         }))
     }
 }

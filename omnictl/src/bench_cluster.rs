@@ -47,18 +47,13 @@ struct Row {
 
 /// (pipeline bytes, expert bytes, tokens of stage 0) from every stage's Status.
 async fn traffic(info: &omni_proto::coordinator::v1::InfoReply) -> anyhow::Result<(u64, u64, u64)> {
-    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
-    let (mut pipe, mut experts, mut tokens) = (0, 0, 0);
-    for (i, s) in info.stages.iter().enumerate() {
-        let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr)).await?;
-        let st = w.status(StatusRequest {}).await?.into_inner();
-        pipe += st.bytes_received;
-        experts += st.expert_bytes_sent + st.expert_bytes_received;
-        if i == 0 {
-            tokens = st.tokens;
-        }
-    }
-    Ok((pipe, experts, tokens))
+    let st = crate::remote::statuses(info).await?;
+    let pipe = st.iter().map(|s| s.bytes_received).sum();
+    let experts = st
+        .iter()
+        .map(|s| s.expert_bytes_sent + s.expert_bytes_received)
+        .sum();
+    Ok((pipe, experts, st.first().map_or(0, |s| s.tokens)))
 }
 
 pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {

@@ -154,19 +154,14 @@ pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
 /// A running cluster's plan, and where each offloaded layer's experts run
 /// now: the experts its stage keeps and the most used ones.
 fn live(addr: &str, json: bool) -> anyhow::Result<()> {
-    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let timeout = std::time::Duration::from_secs(5);
     let info = rt.block_on(crate::remote::info(addr, timeout))?;
+    let statuses = rt.block_on(crate::remote::statuses(&info))?;
     let mut layers = Vec::new();
-    for s in &info.stages {
-        let st = rt.block_on(async {
-            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr)).await?;
-            anyhow::Ok(w.status(StatusRequest {}).await?.into_inner())
-        });
-        let st = st.with_context(|| format!("cannot read worker {}'s status", s.worker_id))?;
+    for (s, st) in info.stages.iter().zip(statuses) {
         for u in st.experts {
             layers.push((s.worker_id.clone(), u));
         }

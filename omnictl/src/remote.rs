@@ -32,6 +32,25 @@ pub async fn info(addr: &str, timeout: Duration) -> anyhow::Result<InfoReply> {
     Ok(r.into_inner())
 }
 
+/// Every stage's Worker.Status, in pipeline order.
+pub async fn statuses(
+    info: &InfoReply,
+) -> anyhow::Result<Vec<omni_proto::worker::v1::StatusReply>> {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    let mut out = Vec::new();
+    for s in &info.stages {
+        let st = async {
+            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr)).await?;
+            anyhow::Ok(w.status(StatusRequest {}).await?.into_inner())
+        };
+        out.push(
+            st.await
+                .with_context(|| format!("cannot read worker {}'s status", s.worker_id))?,
+        );
+    }
+    Ok(out)
+}
+
 /// Runs one request through the cluster and prints it like the
 /// single-process `generate` does (text as it streams, or the JSON report).
 pub fn generate(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {

@@ -270,8 +270,8 @@ impl Cluster {
         self.rt.block_on(collect(&mut c, req))
     }
 
-    /// KV cache cells in use on each worker, in stage order (Worker.Status).
-    pub fn kv_cells_used(&self) -> Vec<u64> {
+    /// Every stage's Worker.Status, in stage order.
+    pub fn statuses(&self) -> Vec<omni_proto::worker::v1::StatusReply> {
         use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
         let stages = self.info().expect("coordinator info").stages;
         self.rt.block_on(async {
@@ -281,10 +281,15 @@ impl Cluster {
                     .await
                     .expect("worker reachable");
                 let st = w.status(StatusRequest {}).await.expect("worker status");
-                out.push(st.into_inner().kv_cells_used);
+                out.push(st.into_inner());
             }
             out
         })
+    }
+
+    /// KV cache cells in use on each worker, in stage order.
+    pub fn kv_cells_used(&self) -> Vec<u64> {
+        self.statuses().iter().map(|s| s.kv_cells_used).collect()
     }
 
     /// Every process's log, for failure messages.

@@ -210,22 +210,6 @@ fn killing_the_cpu_worker_mid_request_ends_the_stream_with_a_clear_error() {
     }
 }
 
-/// Every stage's Status (routing statistics, device experts, traffic).
-fn statuses(c: &Cluster) -> Vec<omni_proto::worker::v1::StatusReply> {
-    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
-    let stages = c.info().unwrap().stages;
-    c.rt.block_on(async {
-        let mut out = Vec::new();
-        for s in &stages {
-            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr))
-                .await
-                .unwrap();
-            out.push(w.status(StatusRequest {}).await.unwrap().into_inner());
-        }
-        out
-    })
-}
-
 /// `--gpu-experts 4`: after a few steps each stage keeps the 4 most used
 /// experts of every offloaded layer (from the statistics it gathered), the
 /// expert worker gets less work, and no token changes.
@@ -249,7 +233,7 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
                 .unwrap_or_else(|e| panic!("{name}: {e}\n{}", c.logs()));
             assert_eq!(&ids(&ev), want, "{name}, first pass");
         }
-        let st = statuses(&c);
+        let st = c.statuses();
         let mut layers = 0;
         for s in &st {
             for u in &s.experts {
@@ -313,7 +297,7 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
             let ev = c.generate(greedy(prompt, want.len())).unwrap();
             assert_eq!(&ids(&ev), want, "{name}, second pass with device experts");
         }
-        let st = statuses(&c);
+        let st = c.statuses();
         let per_token_second = (st.iter().map(|s| s.expert_bytes_sent).sum::<u64>() - sent_before)
             as f64
             / (st[0].tokens - tokens_before) as f64;
