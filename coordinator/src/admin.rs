@@ -4,13 +4,15 @@
 //! time with the coordinator's `--admin-token`; a coordinator without a
 //! token refuses them all, so the admin API is never open by accident.
 
+use crate::migrate::Live;
 use crate::plan::{self, ExpertPolicy, Plan, PlanConfig, Split, WorkerSpec};
 use crate::Registered;
 use omni_engine::ModelFile;
 use omni_proto::admin::v1::{
-    admin_server, GetPlanRequest, ListWorkersReply, ListWorkersRequest, PlanDryRunRequest,
-    PlanReply, WorkerInfo,
+    admin_server, DrainRequest, GetPlanRequest, ListWorkersReply, ListWorkersRequest, MoveReply,
+    PlanDryRunRequest, PlanReply, RebalanceRequest, UndrainRequest, WorkerInfo,
 };
+use omni_proto::coordinator::v1::InfoReply;
 use omni_proto::coordinator::v1::WorkerKind;
 use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
 use std::collections::HashMap;
@@ -31,6 +33,8 @@ pub struct Placement {
     /// Stages: the layer range; expert workers: the layers of their experts.
     pub range: std::ops::Range<u32>,
     pub expert_layers: Vec<u32>,
+    /// Registered but out of the pipeline.
+    pub drained: bool,
 }
 
 /// The cluster as the coordinator made it: what the admin API shows.
@@ -50,6 +54,17 @@ pub struct AdminState {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Worker id -> "serving" or why not.
     pub health: Mutex<HashMap<String, String>>,
+    /// The running cluster, for moves (one at a time).
+    live: tokio::sync::Mutex<Option<Live>>,
+    /// The coordinator's Info, kept true after moves.
+    info: Mutex<Option<Arc<Mutex<InfoReply>>>>,
+}
+
+/// A change of placement the admin API was asked for.
+enum MoveOp {
+    Rebalance(RebalanceRequest),
+    Drain(String),
+    Undrain(String),
 }
 
 impl AdminState {
@@ -58,7 +73,55 @@ impl AdminState {
             view: Mutex::default(),
             metrics,
             health: Mutex::default(),
+            live: tokio::sync::Mutex::const_new(None),
+            info: Mutex::default(),
         }
+    }
+
+    pub fn set_info(&self, info: Arc<Mutex<InfoReply>>) {
+        *self.info.lock().unwrap() = Some(info);
+    }
+
+    /// The cluster is up: what the admin API shows, and what moves change.
+    pub fn set_live(&self, live: Live) {
+        *self.view.lock().unwrap() = Some(Arc::new(live.view()));
+        *self
+            .live
+            .try_lock()
+            .expect("no move before the cluster is up") = Some(live);
+    }
+
+    /// Carries out a move (moves wait for each other), then updates the
+    /// view and the coordinator's Info.
+    async fn move_cluster(&self, op: MoveOp) -> Result<MoveReply, Status> {
+        let mut guard = self.live.lock().await;
+        let live = guard.as_mut().ok_or_else(|| {
+            Status::unavailable("the cluster is still starting: nothing can move yet")
+        })?;
+        let reply = match op {
+            MoveOp::Rebalance(r) => {
+                let counts = match (r.to.is_empty(), r.layers.is_empty(), r.split.is_empty()) {
+                    (false, true, true) => live.counts_moving(r.layer_start..r.layer_end, &r.to)?,
+                    (true, false, true) => r.layers,
+                    (true, true, false) => live.counts_for(Split::Proportions(r.split))?,
+                    _ => {
+                        return Err(Status::invalid_argument(
+                            "give one of: layers to move with the worker to take them, layer counts, or a split",
+                        ))
+                    }
+                };
+                live.rebalance(counts).await
+            }
+            MoveOp::Drain(w) => live.drain(&w).await,
+            MoveOp::Undrain(w) => live.undrain(&w).await,
+        };
+        *self.view.lock().unwrap() = Some(Arc::new(live.view()));
+        if let Some(info) = self.info.lock().unwrap().as_ref() {
+            let mut info = info.lock().unwrap();
+            info.stages = live.stage_infos();
+            info.plan = live.plan.to_string();
+        }
+        reply
     }
 
     pub fn set_health(&self, worker: &str, health: String) {
@@ -113,6 +176,16 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 pub struct AdminSvc(pub Arc<AdminState>);
 
 impl AdminSvc {
+    /// Runs a move on its own task: a client that goes away mid-move must
+    /// not leave the pipeline paused or half moved.
+    async fn spawn_move(&self, op: MoveOp) -> Result<Response<MoveReply>, Status> {
+        let state = self.0.clone();
+        tokio::spawn(async move { state.move_cluster(op).await })
+            .await
+            .map_err(|e| Status::internal(format!("the move task failed: {e}")))?
+            .map(Response::new)
+    }
+
     fn view(&self) -> Result<Arc<ClusterView>, Status> {
         self.0.view.lock().unwrap().clone().ok_or_else(|| {
             Status::unavailable("the cluster is still starting: no plan has been loaded yet")
@@ -121,10 +194,7 @@ impl AdminSvc {
 }
 
 fn plan_reply(p: &Plan) -> Result<Response<PlanReply>, Status> {
-    Ok(Response::new(PlanReply {
-        text: p.to_string(),
-        json: serde_json::to_string_pretty(p).map_err(|e| Status::internal(e.to_string()))?,
-    }))
+    crate::migrate::plan_reply(p).map(Response::new)
 }
 
 #[tonic::async_trait]
@@ -156,12 +226,13 @@ impl admin_server::Admin for AdminSvc {
                 layer_start: p.range.start,
                 layer_end: p.range.end,
                 expert_layers: p.expert_layers.clone(),
+                drained: p.drained,
                 layers: p.layers.clone(),
                 offloaded: p.offloaded.clone(),
                 health: health
                     .get(&w.id)
                     .cloned()
-                    .unwrap_or_else(|| "serving".into()),
+                    .unwrap_or_else(|| if p.drained { "drained" } else { "serving" }.into()),
                 ..Default::default()
             };
             if w.kind == WorkerKind::Stage {
@@ -172,6 +243,7 @@ impl admin_server::Admin for AdminSvc {
                         info.steps = s.steps;
                         info.last_step_ms = s.last_step_ms;
                         info.tokens = s.tokens;
+                        info.memory_used = s.memory_used;
                         if s.memory_total > 0 {
                             info.memory_total = s.memory_total;
                             info.memory_free = s.memory_free;
@@ -193,6 +265,23 @@ impl admin_server::Admin for AdminSvc {
             tokens_out: m.tokens_out.get(),
             active_sequences: m.active_sequences.get(),
         }))
+    }
+
+    async fn rebalance(
+        &self,
+        req: Request<RebalanceRequest>,
+    ) -> Result<Response<MoveReply>, Status> {
+        self.spawn_move(MoveOp::Rebalance(req.into_inner())).await
+    }
+
+    async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<MoveReply>, Status> {
+        self.spawn_move(MoveOp::Drain(req.into_inner().worker))
+            .await
+    }
+
+    async fn undrain(&self, req: Request<UndrainRequest>) -> Result<Response<MoveReply>, Status> {
+        self.spawn_move(MoveOp::Undrain(req.into_inner().worker))
+            .await
     }
 
     async fn get_plan(&self, _: Request<GetPlanRequest>) -> Result<Response<PlanReply>, Status> {

@@ -9,6 +9,7 @@
 
 pub mod admin;
 pub mod metrics;
+pub mod migrate;
 pub mod plan;
 pub mod scheduler;
 mod service;
@@ -19,10 +20,10 @@ use omni_engine::chat::ChatTemplate;
 use omni_engine::model::ModelFile;
 use omni_engine::tokenizer::Tokenizer;
 use omni_proto::coordinator::v1::{
-    inference_server, registry_server, ExpertWorkerInfo, InfoReply, StageInfo, WorkerKind,
+    inference_server, registry_server, ExpertWorkerInfo, InfoReply, WorkerKind,
 };
 use omni_proto::worker::v1::{
-    experts_client::ExpertsClient, worker_client::WorkerClient, Endpoint, ExpertRoute, Inventory,
+    experts_client::ExpertsClient, worker_client::WorkerClient, Endpoint, Inventory,
     LoadExpertsRequest, LoadRequest, Transport, WireRequest,
 };
 use omni_transport::{Inbox, Outbox, TransportChoice};
@@ -73,6 +74,12 @@ pub struct CoordinatorConfig {
     /// Sequences resident at once (KV cache slots).
     #[arg(long, env = "OMNI_SEQS", default_value_t = 8)]
     pub seqs: usize,
+    /// Micro-batch groups in flight (default: one per stage). Sequences
+    /// are dealt into them, and each group has one step in the pipeline at
+    /// a time; with as many groups as sequences, every sequence runs in
+    /// steps of its own (its results then never depend on what else runs).
+    #[arg(long, env = "OMNI_MICRO_BATCHES")]
+    pub micro_batches: Option<usize>,
     /// Most tokens in one step.
     #[arg(long, env = "OMNI_UBATCH", default_value_t = 512)]
     pub ubatch: usize,
@@ -138,7 +145,7 @@ pub(crate) struct Shared {
     /// Accepting registrations until the plan is made.
     pub registering: Mutex<bool>,
     pub events: Mutex<Option<crossbeam_channel::Sender<Event>>>,
-    pub info: Mutex<InfoReply>,
+    pub info: Arc<Mutex<InfoReply>>,
     pub next_seq: std::sync::atomic::AtomicU64,
     pub metrics: Arc<Metrics>,
     pub admin: Arc<admin::AdminState>,
@@ -199,7 +206,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         registrations: reg_tx,
         registering: Mutex::new(true),
         events: Mutex::new(None),
-        info: Mutex::new(InfoReply {
+        info: Arc::new(Mutex::new(InfoReply {
             model_path: cfg.model.display().to_string(),
             architecture: model.hparams.arch.name().to_string(),
             n_ctx: cfg.ctx as u32,
@@ -207,11 +214,12 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_seq: cfg.seqs as u32,
             state: "waiting for workers".into(),
             ..Default::default()
-        }),
+        })),
         next_seq: 1.into(),
         metrics: metrics.clone(),
         admin: Arc::new(admin::AdminState::new(metrics.clone())),
     });
+    shared.admin.set_info(shared.info.clone());
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -435,38 +443,22 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             binding: r.binding,
         });
     }
-    let results_ep = inbox.endpoint(&advertise, &host_id);
+    let inbox = Arc::new(Mutex::new(inbox));
+    let results_ep = inbox.lock().unwrap().endpoint(&advertise, &host_id);
     let transport = match cfg.transport {
         TransportChoice::Auto => Transport::Auto,
         TransportChoice::Shm => Transport::Shm,
         TransportChoice::Grpc => Transport::Grpc,
     };
-    let mut stages = Vec::new();
-    let mut placements = Vec::new();
+    let mut live_workers = Vec::new();
     for (i, w) in workers.iter().enumerate() {
         let next: Endpoint = match replies.get(i + 1) {
             Some(r) => r.inbox.clone().unwrap_or_default(),
             None => results_ep.clone(),
         };
-        let mut routes: Vec<ExpertRoute> = Vec::new();
-        for &il in &plan.stages[i].offloaded {
-            let ep = plan
-                .experts
-                .iter()
-                .find(|e| e.layers.contains(&il))
-                .expect("every offloaded layer has an expert worker");
-            match routes.iter_mut().find(|r| r.worker_id == ep.worker) {
-                Some(r) => r.layers.push(il),
-                None => {
-                    let addr = &expert_worker(&ep.worker).addr;
-                    routes.push(ExpertRoute {
-                        worker_id: ep.worker.clone(),
-                        grpc_addr: addr.clone(),
-                        layers: vec![il],
-                    });
-                }
-            }
-        }
+        let routes = migrate::routes_for(&plan.stages[i].offloaded, &plan, |id| {
+            expert_worker(id).addr.clone()
+        });
         let mut c = worker_client(&w.addr).await?;
         let r = c
             .wire(WireRequest {
@@ -494,31 +486,6 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             omni_engine::fmt_bytes(lr.compute_bytes),
             r.transport
         );
-        stages.push(StageInfo {
-            worker_id: w.id.clone(),
-            device: w.inventory.device.clone(),
-            range: st.range.to_string(),
-            transport: r.transport,
-            weight_bytes: lr.weight_bytes,
-            kv_bytes: lr.kv_bytes,
-            compute_bytes: lr.compute_bytes,
-            worker_addr: w.addr.clone(),
-            offloaded: if st.offloaded.is_empty() {
-                String::new()
-            } else {
-                plan::fmt_layers(&st.offloaded)
-            },
-            expert_transports: r.expert_transports.clone(),
-        });
-        placements.push(admin::Placement {
-            worker: w.clone(),
-            stage: i as u32,
-            layers: st.range.to_string(),
-            offloaded: plan::fmt_layers(&st.offloaded),
-            planned_bytes: lr.weight_bytes + lr.kv_bytes + lr.compute_bytes,
-            range: st.range.layers.clone(),
-            expert_layers: Vec::new(),
-        });
         for (route, how) in routes.iter().zip(&r.expert_transports) {
             tracing::info!(
                 "stage {i}: the experts of layers {} run on {} over {how}",
@@ -526,6 +493,14 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
                 route.worker_id
             );
         }
+        live_workers.push(migrate::LiveWorker {
+            reg: w.clone(),
+            spec: spec(w),
+            inbox: lr.inbox.clone().unwrap_or_default(),
+            stage_bytes: (lr.weight_bytes, lr.kv_bytes, lr.compute_bytes),
+            transport: r.transport,
+            expert_transports: r.expert_transports,
+        });
     }
     let first = replies[0].inbox.clone().unwrap_or_default();
     let outbox = Outbox::connect(&first, cfg.transport)
@@ -541,42 +516,41 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_ctx: cfg.ctx,
             n_seq: cfg.seqs,
             n_ubatch: cfg.ubatch,
-            n_groups: workers.len(),
+            n_groups: cfg.micro_batches.unwrap_or(workers.len()).max(1),
             step_timeout: Duration::from_secs_f64(cfg.step_timeout),
         },
         tokenizer,
         outbox,
         metrics,
     );
-    let frames = inbox.receiver().clone();
+    let frames = inbox.lock().unwrap().receiver().clone();
     std::thread::Builder::new()
         .name("scheduler".into())
         .spawn(move || sched.run(ev_rx, frames))?;
-    for e in &expert_info {
-        let w = expert_worker(&e.worker_id);
-        placements.push(admin::Placement {
-            worker: w.clone(),
-            stage: 0,
-            layers: e.layers.clone(),
-            offloaded: String::new(),
-            planned_bytes: e.weight_bytes + e.compute_bytes,
-            range: 0..0,
-            expert_layers: plan
-                .experts
-                .iter()
-                .find(|p| p.worker == e.worker_id)
-                .map(|p| p.layers.clone())
-                .unwrap_or_default(),
-        });
-    }
-    *shared.admin.view.lock().unwrap() = Some(Arc::new(admin::ClusterView {
-        model: model.clone(),
-        config: pcfg.clone(),
-        stages: specs.clone(),
-        expert_workers: expert_specs.clone(),
-        plan: plan.clone(),
-        placements,
-    }));
+    let live = migrate::Live::new(
+        migrate::Setup {
+            model: model.clone(),
+            pcfg: pcfg.clone(),
+            transport: cfg.transport,
+            advertise: advertise.clone(),
+            shm_dir: cfg.shm_dir.clone(),
+            events: ev_tx.clone(),
+            step_timeout: Duration::from_secs_f64(cfg.step_timeout),
+        },
+        live_workers,
+        expert_info
+            .iter()
+            .map(|e| {
+                let w = expert_worker(&e.worker_id);
+                (w.clone(), spec(w), e.clone())
+            })
+            .collect(),
+        plan.clone(),
+        inbox.clone(),
+        results_ep,
+    );
+    let stages = live.stage_infos();
+    shared.admin.set_live(live);
     for w in workers.iter().chain(&expert_workers) {
         tokio::spawn(watch_worker(
             w.clone(),

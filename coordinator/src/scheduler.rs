@@ -71,6 +71,11 @@ pub enum Event {
         worker: String,
         why: String,
     },
+    /// Stop at a step boundary: send nothing more and answer once nothing
+    /// is in flight (the pipeline is empty), or with why it cannot.
+    Pause(crossbeam_channel::Sender<Result<(), String>>),
+    /// Go on after a pause, sending to a new first stage if given.
+    Resume(Option<Outbox>),
 }
 
 pub struct SchedulerConfig {
@@ -119,6 +124,11 @@ pub struct Scheduler {
     next_step: u64,
     /// Once set the cluster serves nothing more (recovery is a later issue).
     failed: Option<String>,
+    /// Who waits for a pause to take hold, and whether it has.
+    pausing: Option<crossbeam_channel::Sender<Result<(), String>>>,
+    paused: bool,
+    /// Control steps (removals only) sent and not yet back.
+    control_in_flight: usize,
 }
 
 impl Scheduler {
@@ -141,6 +151,9 @@ impl Scheduler {
             pending_remove: Vec::new(),
             next_step: 1,
             failed: None,
+            pausing: None,
+            paused: false,
+            control_in_flight: 0,
         }
     }
 
@@ -166,6 +179,7 @@ impl Scheduler {
             }
             self.check_timeouts();
             self.schedule();
+            self.check_pause();
             self.metrics.queue_depth.set(self.queue.len() as i64);
             self.metrics.active_sequences.set(self.seqs.len() as i64);
         }
@@ -193,6 +207,33 @@ impl Scheduler {
             Event::WorkerLost { worker, why } => {
                 self.fail_all(format!("worker {worker} is gone: {why}"));
             }
+            Event::Pause(reply) => match &self.failed {
+                Some(why) => {
+                    let _ = reply.send(Err(format!("the cluster cannot serve: {why}")));
+                }
+                None if self.paused || self.pausing.is_some() => {
+                    let _ = reply.send(Err("the pipeline is already paused".into()));
+                }
+                None => self.pausing = Some(reply),
+            },
+            Event::Resume(outbox) => {
+                if let Some(o) = outbox {
+                    self.outbox = o;
+                }
+                self.paused = false;
+                self.pausing = None;
+            }
+        }
+    }
+
+    /// Answers a pause once no step is in flight.
+    fn check_pause(&mut self) {
+        if self.pausing.is_some()
+            && self.groups.iter().all(Option::is_none)
+            && self.control_in_flight == 0
+        {
+            let reply = self.pausing.take().unwrap();
+            self.paused = reply.send(Ok(())).is_ok();
         }
     }
 
@@ -209,6 +250,9 @@ impl Scheduler {
             s.fail(status.clone());
         }
         self.order.clear();
+        if let Some(p) = self.pausing.take() {
+            let _ = p.send(Err(why.clone()));
+        }
         self.failed = Some(why);
     }
 
@@ -241,7 +285,7 @@ impl Scheduler {
     /// Admits queued sequences into free slots, then sends a step for every
     /// idle group that has work (or a control step if only removals wait).
     fn schedule(&mut self) {
-        if self.failed.is_some() {
+        if self.failed.is_some() || self.paused || self.pausing.is_some() {
             return;
         }
         while !self.queue.is_empty() && !self.free_slots.is_empty() {
@@ -355,12 +399,15 @@ impl Scheduler {
         self.free_slots.extend(freed);
         self.metrics.steps.inc();
         self.metrics.tokens_in.inc_by(n_tokens);
-        if let Some((g, owners)) = group {
-            self.groups[g] = Some(InFlight {
-                id: step.id,
-                sent: Instant::now(),
-                owners,
-            });
+        match group {
+            Some((g, owners)) => {
+                self.groups[g] = Some(InFlight {
+                    id: step.id,
+                    sent: Instant::now(),
+                    owners,
+                })
+            }
+            None => self.control_in_flight += 1,
         }
     }
 
@@ -373,6 +420,7 @@ impl Scheduler {
             }
         };
         if step.group == CONTROL_GROUP {
+            self.control_in_flight = self.control_in_flight.saturating_sub(1);
             return;
         }
         let g = step.group as usize;

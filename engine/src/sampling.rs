@@ -136,6 +136,48 @@ pub struct Sampler {
     window: Vec<u32>,
 }
 
+/// Where a [`Sampler`] is: its settings and the exact position of its
+/// random stream, so a sequence's sampling can move to another process
+/// (when the last stage moves) and draw the same numbers it would have.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplerState {
+    pub params: SamplingParams,
+    pub seed: [u8; 32],
+    pub stream: u64,
+    /// ChaCha's word position, as a decimal string (JSON numbers lose u128s).
+    pub word_pos: String,
+}
+
+impl Sampler {
+    /// The settings and random-stream position (see [`SamplerState`]).
+    pub fn state(&self) -> SamplerState {
+        SamplerState {
+            params: self.params.clone(),
+            seed: self.rng.get_seed(),
+            stream: self.rng.get_stream(),
+            word_pos: self.rng.get_word_pos().to_string(),
+        }
+    }
+
+    /// A sampler that goes on exactly where `state` was taken.
+    pub fn restore(state: SamplerState) -> Result<Sampler, String> {
+        let pos: u128 = state
+            .word_pos
+            .parse()
+            .map_err(|e| format!("bad sampler word position {:?}: {e}", state.word_pos))?;
+        let mut rng = ChaCha8Rng::from_seed(state.seed);
+        rng.set_stream(state.stream);
+        rng.set_word_pos(pos);
+        Ok(Sampler {
+            params: state.params,
+            rng,
+            logits: Vec::new(),
+            candidates: Vec::new(),
+            window: Vec::new(),
+        })
+    }
+}
+
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
         let seed = params.seed.unwrap_or_else(fresh_seed);

@@ -691,13 +691,11 @@ impl Stage {
     }
 
     /// Makes this stage run `range` (with these `offloaded` layers) at a
-    /// step boundary, keeping every sequence: loads a new stage for
-    /// `range` with the same configuration, copies the KV cache of the
-    /// layers both ranges share from this one, imports `incoming` (the
-    /// [`Stage::export_kv`] of the neighbour that gave up the other layers;
-    /// it must hold every layer of `range` this stage did not run, and the
-    /// same cell table) and only then replaces this stage. Offloaded layers
-    /// still offloaded keep their kept experts and their selection counts.
+    /// step boundary, keeping every sequence: [`Stage::load_offloaded`] a
+    /// new stage for `range` with the same configuration, then
+    /// [`Stage::take_over`] this one with `incoming` (the
+    /// [`Stage::export_kv`] of the neighbour that gave up the layers this
+    /// stage did not run), and only then replace this stage.
     ///
     /// On any error this stage is left exactly as it was (rollback) and
     /// still runs its old range. Memory: the new stage is complete before
@@ -711,56 +709,76 @@ impl Stage {
         offloaded: &[u32],
         incoming: Option<&KvLayers>,
     ) -> Result<(), EngineError> {
-        let old = self.range.layers.clone();
-        let bad = |why: String| {
-            Err(EngineError::Config(format!(
-                "moving {} to {range}: {why}",
-                self.range
-            )))
-        };
-        // Cheap checks before the expensive load.
-        let missing: Vec<u32> = range
-            .layers
-            .clone()
-            .filter(|l| {
-                !old.contains(l)
-                    && !incoming.is_some_and(|kv| kv.layers.iter().any(|x| x.layer == *l))
-            })
-            .collect();
-        if !missing.is_empty() {
-            return bad(format!(
-                "the KV cache of layers {missing:?} is not in the incoming export"
-            ));
-        }
-        if let (Some(kv), false) = (incoming, old.is_empty()) {
-            self.kv
-                .check_table(&kv.cells, false)
-                .or_else(|e| bad(e.to_string()))?;
-        }
+        let incoming: Vec<&KvLayers> = incoming.into_iter().collect();
+        self.check_move(&range, &incoming)?;
         let mut new =
             Stage::load_offloaded(self.model.clone(), range, self.cfg.clone(), offloaded)?;
-        let shared = old.start.max(new.range.layers.start)..old.end.min(new.range.layers.end);
-        // One layer at a time, so only one layer's rows are in transit.
-        let in_move = |e: EngineError| {
-            EngineError::Config(format!("moving {} to {}: {e}", self.range, new.range))
-        };
-        for il in shared {
-            let one = self.kv.export(il..il + 1)?;
-            new.kv.import(&one).map_err(in_move)?;
-        }
-        if let Some(kv) = incoming {
-            new.kv.import(kv).map_err(in_move)?;
-        }
-        for &il in &new.offloaded.clone() {
-            if let Some(counts) = self.expert_counts.get(&il) {
-                new.expert_counts.insert(il, counts.clone());
-            }
-            if let Some(d) = self.device.get(&il) {
-                new.set_device_experts(il, &d.ids)?;
-            }
-        }
+        new.take_over(Some(self), &incoming)?;
         *self = new;
         Ok(())
+    }
+
+    /// The cheap checks of a move from `self` to `range` before anything
+    /// is loaded: every layer of `range` this stage does not run is in
+    /// `incoming`, and the incoming cell tables are this stage's.
+    pub fn check_move(
+        &self,
+        range: &LayerRange,
+        incoming: &[&KvLayers],
+    ) -> Result<(), EngineError> {
+        check_takeover(Some(self), range, incoming)
+    }
+
+    /// Makes this freshly loaded stage (no step run yet) the successor of
+    /// `old` at a step boundary: copies the KV cache of the layers both
+    /// run from `old`, imports `incoming` (the other layers' exports, from
+    /// the stages that ran them; all with `old`'s cell table, or any one
+    /// table when `old` is None or runs no layer), and carries over the
+    /// routing statistics and kept experts of the offloaded layers both
+    /// have. `old` is not changed, so on error the caller still has it
+    /// (and this stage is to be dropped); no step may run on `old` between
+    /// this and replacing it.
+    pub fn take_over(
+        &mut self,
+        old: Option<&Stage>,
+        incoming: &[&KvLayers],
+    ) -> Result<(), EngineError> {
+        check_takeover(old, &self.range, incoming)?;
+        let from = old.map_or_else(String::new, |o| format!("{} ", o.range));
+        let in_move =
+            |e: EngineError| EngineError::Config(format!("moving {from}to {}: {e}", self.range));
+        if let Some(old) = old {
+            let (a, b) = (old.range.layers.clone(), self.range.layers.clone());
+            // One layer at a time, so only one layer's rows are in transit.
+            for il in a.start.max(b.start)..a.end.min(b.end) {
+                let one = old.kv.export(il..il + 1)?;
+                self.kv.import(&one).map_err(in_move)?;
+            }
+        }
+        for kv in incoming {
+            self.kv.import(kv).map_err(in_move)?;
+        }
+        if let Some(old) = old {
+            for il in self.offloaded.clone() {
+                if let Some(counts) = old.expert_counts.get(&il) {
+                    self.expert_counts.insert(il, counts.clone());
+                }
+                if let Some(d) = old.device.get(&il) {
+                    self.set_device_experts(il, &d.ids)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes this stage holds: weights (mapped and repacked), KV cache,
+    /// compute buffer and kept experts.
+    pub fn held_bytes(&self) -> u64 {
+        self.weights.mapped_bytes
+            + self.weights.repacked_bytes
+            + self.kv.allocated_bytes()
+            + self.compute_bytes() as u64
+            + self.device_expert_bytes()
     }
 
     /// Frees the KV cells of `seq` (all of them, or from position `from` on).
@@ -1599,6 +1617,50 @@ struct Carry {
     routed: Vec<f32>,
     shared: Option<Vec<f32>>,
     ffn_inp: Vec<f32>,
+}
+
+/// [`Stage::take_over`]'s checks, before anything is loaded or written:
+/// every layer of `range` that `old` does not run is in `incoming`, once,
+/// and (when `old` runs layers) every incoming cell table is `old`'s.
+fn check_takeover(
+    old: Option<&Stage>,
+    range: &LayerRange,
+    incoming: &[&KvLayers],
+) -> Result<(), EngineError> {
+    let had = old.map_or(0..0, |o| o.range.layers.clone());
+    let bad = |why: String| {
+        Err(EngineError::Config(match old {
+            Some(o) => format!("moving {} to {range}: {why}", o.range),
+            None => format!("taking over {range}: {why}"),
+        }))
+    };
+    let carried = |l: u32| {
+        incoming
+            .iter()
+            .flat_map(|kv| kv.layers.iter())
+            .filter(|x| x.layer == l)
+            .count()
+    };
+    let missing: Vec<u32> = range
+        .layers
+        .clone()
+        .filter(|&l| !had.contains(&l) && carried(l) == 0)
+        .collect();
+    if !missing.is_empty() {
+        return bad(format!(
+            "the KV cache of layers {missing:?} is not in the incoming export"
+        ));
+    }
+    if let Some(l) = range.layers.clone().find(|&l| carried(l) > 1) {
+        return bad(format!("the KV cache of layer {l} comes more than once"));
+    }
+    if let Some(o) = old.filter(|o| !o.range.layers.is_empty()) {
+        for kv in incoming {
+            o.kv.check_table(&kv.cells, false)
+                .or_else(|e| bad(e.to_string()))?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -3,13 +3,16 @@
 //! the next stage (hidden state) or back to the coordinator (sampled tokens).
 
 use crate::experts::RemoteExperts;
-use crossbeam_channel::Receiver;
-use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplingParams};
+use crossbeam_channel::{select, Receiver, Sender};
+use omni_engine::kv::KvLayers;
+use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplerState, SamplingParams};
 use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
 use omni_proto::worker::v1::{ExpertUse, Sampled, StageTime, Step, TopLogprob};
 use omni_transport::{Frame, Outbox};
 use prost::Message;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,6 +36,8 @@ pub struct ExecStats {
     pub device_expert_bytes: AtomicU64,
     /// Times the set of device experts changed.
     pub expert_moves: AtomicU64,
+    /// Bytes the stage (and, during a move, the old one) holds.
+    pub held_bytes: AtomicU64,
 }
 
 /// How the stage picks the experts it keeps of its offloaded layers.
@@ -53,9 +58,47 @@ struct SeqSampler {
     top_logprobs: usize,
 }
 
+/// Work for the stage thread between frames (live migration).
+type Control = Box<dyn FnOnce(&mut StageRun) + Send>;
+
 pub struct Exec {
     stop: Arc<AtomicBool>,
+    control: Sender<Control>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The sequences' state a stage hands on when its layers move: which
+/// request each slot serves and, from the stage with the head, how each
+/// sequence samples (settings, random stream, history).
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct SeqState {
+    pub slots: Vec<SlotState>,
+    pub samplers: Vec<SamplerEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SlotState {
+    pub slot: u32,
+    pub request_id: String,
+    pub traceparent: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SamplerEntry {
+    pub slot: u32,
+    pub state: SamplerState,
+    pub history: Vec<u32>,
+    pub logprobs: bool,
+    pub top_logprobs: usize,
+}
+
+/// The stage a switch replaced, kept until the move commits or rolls back,
+/// and the sequences' state the switch added.
+struct Previous {
+    stage: Option<Stage>,
+    index: u32,
+    added_slots: Vec<u32>,
+    added_samplers: Vec<u32>,
 }
 
 /// Where a stage's frames come from and go, and its expert workers (set
@@ -82,12 +125,17 @@ impl Exec {
         } = links;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
+        let (control, control_rx) = crossbeam_channel::unbounded::<Control>();
+        stats
+            .held_bytes
+            .store(stage.held_bytes(), Ordering::Relaxed);
         let thread = std::thread::Builder::new()
             .name(format!("stage-{stage_index}"))
             .spawn(move || {
                 let mut run = StageRun {
                     slots: HashMap::new(),
-                    stage,
+                    stage: Some(stage),
+                    previous: None,
                     index: stage_index,
                     dtype: hidden_dtype,
                     samplers: HashMap::new(),
@@ -96,19 +144,30 @@ impl Exec {
                     stats,
                 };
                 while !s.load(Ordering::Relaxed) {
-                    let Ok(frame) = inbox.recv_timeout(Duration::from_millis(100)) else {
-                        continue;
+                    let frame = select! {
+                        recv(inbox) -> f => match f {
+                            Ok(f) => f,
+                            Err(_) => return,
+                        },
+                        recv(control_rx) -> c => {
+                            if let Ok(c) = c {
+                                c(&mut run);
+                            }
+                            continue;
+                        }
+                        default(Duration::from_millis(100)) => continue,
                     };
                     let out = run.frame(frame);
+                    let index = run.index;
                     let mut guard = outbox.lock().unwrap();
                     match guard.as_mut() {
                         Some(o) => {
                             if let Err(e) = o.send(out) {
-                                tracing::error!("stage {stage_index}: cannot send downstream: {e}");
+                                tracing::error!("stage {index}: cannot send downstream: {e}");
                             }
                         }
                         None => tracing::error!(
-                            "stage {stage_index}: a frame arrived before Wire said where output goes; dropped"
+                            "stage {index}: a frame arrived before Wire said where output goes; dropped"
                         ),
                     }
                 }
@@ -116,8 +175,51 @@ impl Exec {
             .expect("spawning the stage thread");
         Exec {
             stop,
+            control,
             thread: Some(thread),
         }
+    }
+
+    /// Runs `f` on the stage thread between two frames and returns its
+    /// result (blocking: call it from a blocking context).
+    fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut StageRun) -> R + Send + 'static,
+    ) -> Result<R, String> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.control
+            .send(Box::new(move |run: &mut StageRun| {
+                let _ = tx.send(f(run));
+            }))
+            .map_err(|_| "the stage thread has stopped".to_string())?;
+        rx.recv()
+            .map_err(|_| "the stage thread stopped before answering".to_string())
+    }
+
+    /// The KV cache of `layers` (empty: none) and the sequences' state, from
+    /// the stage that ran before a pending switch if there is one (no step
+    /// has run since, so it is current).
+    pub fn export(&self, layers: Range<u32>) -> Result<(Option<KvLayers>, SeqState), String> {
+        self.call(move |run| run.export(layers))?
+    }
+
+    /// Switches to `new` (None: no stage, the worker is drained) at this
+    /// step boundary, keeping the current stage for [`Exec::finish`].
+    pub fn switch(
+        &self,
+        new: Option<Stage>,
+        index: u32,
+        incoming: Vec<KvLayers>,
+        seqs: Vec<SeqState>,
+    ) -> Result<(), String> {
+        self.call(move |run| run.switch(new, index, incoming, seqs))?
+    }
+
+    /// Commits a switch (drops the old stage) or rolls it back (the old
+    /// stage runs again); nothing pending: nothing to do. Returns the
+    /// range now run, if any.
+    pub fn finish(&self, commit: bool) -> Result<Option<omni_engine::stage::LayerRange>, String> {
+        self.call(move |run| run.finish(commit))
     }
 }
 
@@ -134,13 +236,16 @@ impl Drop for Exec {
 /// step's spans name the requests it carries, across processes.
 struct SlotInfo {
     request_id: String,
+    traceparent: String,
     /// The request's trace context (None: traces are off).
     trace: Option<omni_telemetry::Remote>,
 }
 
 struct StageRun {
     slots: HashMap<u32, SlotInfo>,
-    stage: Stage,
+    /// None once the worker is drained.
+    stage: Option<Stage>,
+    previous: Option<Previous>,
     index: u32,
     dtype: HiddenDtype,
     samplers: HashMap<u32, SeqSampler>,
@@ -156,26 +261,28 @@ impl StageRun {
     /// so a step never sees a half-changed set.
     fn refresh_experts(&mut self) {
         let steps = self.stats.steps.load(Ordering::Relaxed);
-        if self.stage.offloaded_layers().is_empty()
+        let Some(stage) = self.stage.as_mut() else {
+            return;
+        };
+        if stage.offloaded_layers().is_empty()
             || !steps.is_multiple_of(self.device_experts.every.max(1))
         {
             return;
         }
         let k = self.device_experts.k;
         if k > 0 {
-            let layers: Vec<u32> = self.stage.offloaded_layers().to_vec();
+            let layers: Vec<u32> = stage.offloaded_layers().to_vec();
             for il in layers {
-                let seen = self
-                    .stage
+                let seen = stage
                     .expert_counts()
                     .get(&il)
                     .is_some_and(|c| c.iter().any(|&n| n > 0));
                 if !seen {
                     continue;
                 }
-                let hot = self.stage.hot_experts(il, k);
-                if hot.as_slice() != self.stage.device_experts(il) {
-                    match self.stage.set_device_experts(il, &hot) {
+                let hot = stage.hot_experts(il, k);
+                if hot.as_slice() != stage.device_experts(il) {
+                    match stage.set_device_experts(il, &hot) {
                         Ok(()) => {
                             self.stats.expert_moves.fetch_add(1, Ordering::Relaxed);
                             tracing::info!(
@@ -192,19 +299,156 @@ impl StageRun {
             }
             self.stats
                 .device_expert_bytes
-                .store(self.stage.device_expert_bytes(), Ordering::Relaxed);
+                .store(stage.device_expert_bytes(), Ordering::Relaxed);
+            self.stats
+                .held_bytes
+                .store(stage.held_bytes(), Ordering::Relaxed);
         }
-        let uses = self
-            .stage
+        let uses = stage
             .expert_counts()
             .iter()
             .map(|(&layer, counts)| ExpertUse {
                 layer,
                 counts: counts.clone(),
-                on_device: self.stage.device_experts(layer).to_vec(),
+                on_device: stage.device_experts(layer).to_vec(),
             })
             .collect();
         *self.stats.experts.lock().unwrap() = uses;
+    }
+
+    fn export(&self, layers: Range<u32>) -> Result<(Option<KvLayers>, SeqState), String> {
+        let stage = match &self.previous {
+            Some(p) => p.stage.as_ref(),
+            None => self.stage.as_ref(),
+        };
+        let kv = if layers.is_empty() {
+            None
+        } else {
+            let stage = stage.ok_or("this worker holds no layers to export")?;
+            Some(stage.export_kv(layers).map_err(|e| e.to_string())?)
+        };
+        let state = SeqState {
+            slots: self
+                .slots
+                .iter()
+                .map(|(&slot, i)| SlotState {
+                    slot,
+                    request_id: i.request_id.clone(),
+                    traceparent: i.traceparent.clone(),
+                })
+                .collect(),
+            samplers: self
+                .samplers
+                .iter()
+                .map(|(&slot, s)| SamplerEntry {
+                    slot,
+                    state: s.sampler.state(),
+                    history: s.history.clone(),
+                    logprobs: s.logprobs,
+                    top_logprobs: s.top_logprobs,
+                })
+                .collect(),
+        };
+        Ok((kv, state))
+    }
+
+    fn switch(
+        &mut self,
+        new: Option<Stage>,
+        index: u32,
+        incoming: Vec<KvLayers>,
+        seqs: Vec<SeqState>,
+    ) -> Result<(), String> {
+        if self.previous.is_some() {
+            return Err("a switch is already pending (finish it first)".into());
+        }
+        let head = new.as_ref().is_some_and(|s| s.range().head);
+        let new = match new {
+            Some(mut st) => {
+                let refs: Vec<&KvLayers> = incoming.iter().collect();
+                st.take_over(self.stage.as_ref(), &refs)
+                    .map_err(|e| e.to_string())?;
+                Some(st)
+            }
+            None => None,
+        };
+        let mut added_slots = Vec::new();
+        let mut added_samplers = Vec::new();
+        for st in seqs {
+            for s in st.slots {
+                if let std::collections::hash_map::Entry::Vacant(e) = self.slots.entry(s.slot) {
+                    added_slots.push(s.slot);
+                    e.insert(SlotInfo {
+                        trace: omni_telemetry::Remote::parse(&s.traceparent),
+                        request_id: s.request_id,
+                        traceparent: s.traceparent,
+                    });
+                }
+            }
+            if !head {
+                continue;
+            }
+            for e in st.samplers {
+                if self.samplers.contains_key(&e.slot) {
+                    continue;
+                }
+                let sampler =
+                    Sampler::restore(e.state).map_err(|why| format!("slot {}: {why}", e.slot))?;
+                added_samplers.push(e.slot);
+                self.samplers.insert(
+                    e.slot,
+                    SeqSampler {
+                        sampler,
+                        history: e.history,
+                        logprobs: e.logprobs,
+                        top_logprobs: e.top_logprobs,
+                    },
+                );
+            }
+        }
+        let old = std::mem::replace(&mut self.stage, new);
+        let held = |s: &Option<Stage>| s.as_ref().map_or(0, Stage::held_bytes);
+        self.stats
+            .held_bytes
+            .store(held(&self.stage) + held(&old), Ordering::Relaxed);
+        self.previous = Some(Previous {
+            stage: old,
+            index: std::mem::replace(&mut self.index, index),
+            added_slots,
+            added_samplers,
+        });
+        Ok(())
+    }
+
+    fn finish(&mut self, commit: bool) -> Option<omni_engine::stage::LayerRange> {
+        if let Some(p) = self.previous.take() {
+            if commit {
+                drop(p.stage);
+                if !self.stage.as_ref().is_some_and(|s| s.range().head) {
+                    self.samplers.clear();
+                }
+                if self.stage.is_none() {
+                    self.slots.clear();
+                }
+            } else {
+                self.stage = p.stage;
+                self.index = p.index;
+                for s in p.added_slots {
+                    self.slots.remove(&s);
+                }
+                for s in p.added_samplers {
+                    self.samplers.remove(&s);
+                }
+            }
+        }
+        let stage = self.stage.as_ref();
+        self.stats
+            .held_bytes
+            .store(stage.map_or(0, Stage::held_bytes), Ordering::Relaxed);
+        self.stats
+            .kv_cells_used
+            .store(stage.map_or(0, |s| s.kv().used() as u64), Ordering::Relaxed);
+        stage.map(|s| s.range().clone())
     }
 
     /// Runs one frame and returns the frame to send on. Errors travel in the
@@ -229,9 +473,10 @@ impl StageRun {
         } else {
             Vec::new()
         };
-        self.stats
-            .kv_cells_used
-            .store(self.stage.kv().used() as u64, Ordering::Relaxed);
+        self.stats.kv_cells_used.store(
+            self.stage.as_ref().map_or(0, |s| s.kv().used() as u64),
+            Ordering::Relaxed,
+        );
         Frame {
             meta: step.encode_to_vec(),
             payload,
@@ -244,6 +489,7 @@ impl StageRun {
                 r.slot,
                 SlotInfo {
                     request_id: r.request_id.clone(),
+                    traceparent: r.traceparent.clone(),
                     trace: omni_telemetry::Remote::parse(&r.traceparent),
                 },
             );
@@ -263,13 +509,17 @@ impl StageRun {
         );
         let _enter = span.enter();
         let _traced = self.request_spans(step);
+        let index = self.index;
+        let stage = self.stage.as_mut().ok_or_else(|| {
+            format!("a step reached stage {index}, which holds no layers (its worker was drained)")
+        })?;
         for &slot in &step.remove {
             self.slots.remove(&slot);
-            self.stage.remove_seq(slot, None);
+            stage.remove_seq(slot, None);
             self.samplers.remove(&slot);
             tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");
         }
-        let head = self.stage.range().head;
+        let head = stage.range().head;
         if head {
             for s in &step.starts {
                 let params: SamplingParams = serde_json::from_slice(&s.sampling_json)
@@ -295,24 +545,24 @@ impl StageRun {
             seq: step.seqs.clone(),
             logits: step.logits.clone(),
         };
-        let input = if self.stage.range().embed {
+        let input = if stage.range().embed {
             None
         } else {
             Some(Hidden::from_bytes(payload).map_err(|e| e.to_string())?)
         };
         let t = Instant::now();
         let mut waited = Duration::ZERO;
-        let out = if self.stage.offloaded_layers().is_empty() {
-            self.stage.forward(&batch, input.as_ref())
+        let out = if stage.offloaded_layers().is_empty() {
+            stage.forward(&batch, input.as_ref())
         } else {
             let mut guard = self.experts.lock().unwrap();
             let experts = guard.as_mut().ok_or_else(|| {
                 format!(
                     "the experts of layers {:?} run on an expert worker, but none was wired",
-                    self.stage.offloaded_layers()
+                    stage.offloaded_layers()
                 )
             })?;
-            let r = self.stage.forward_with(&batch, input.as_ref(), experts);
+            let r = stage.forward_with(&batch, input.as_ref(), experts);
             waited = experts.take_waited();
             r
         }

@@ -17,8 +17,9 @@ use omni_engine::stage::{HiddenDtype, LayerRange, Stage, StageConfig};
 use omni_engine::KvConfig;
 use omni_proto::coordinator::v1::WorkerKind;
 use omni_proto::worker::v1::{
-    worker_server, Endpoint, Inventory, LoadReply, LoadRequest, StatusReply, StatusRequest,
-    Transport, WireReply, WireRequest,
+    worker_server, Endpoint, ExportStateRequest, FinishReply, FinishRequest, Inventory, LoadReply,
+    LoadRequest, OpenInboxReply, OpenInboxRequest, PrepareReply, PrepareRequest, StateChunk,
+    StatusReply, StatusRequest, SwitchReply, Transport, WireReply, WireRequest,
 };
 use omni_transport::registry::{listen, register};
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
@@ -88,12 +89,25 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 struct State {
-    exec: Option<Exec>,
+    exec: Option<Arc<Exec>>,
     range: Option<LayerRange>,
     kv_cells: u64,
     /// Bytes of one expert link's ring (sized from the loaded model).
     expert_ring: usize,
+    /// The model and stage settings of the last Load (Prepare reuses them).
+    loaded: Option<(Arc<ModelFile>, StageConfig)>,
+    /// The standby stage a Prepare loaded, waiting for its Switch.
+    prepared: Option<Stage>,
+    /// The range before a pending switch (Some while one is pending).
+    range_before: Option<Option<LayerRange>>,
+    /// Bytes of this worker's inbox ring, and how many rings it made.
+    ring_bytes: usize,
+    rings: u32,
 }
+
+/// Pieces of a state transfer on the wire (a KV export can be far larger
+/// than one gRPC message may be).
+const CHUNK: usize = 1 << 20;
 
 struct Worker {
     id: String,
@@ -140,6 +154,11 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             range: None,
             kv_cells: 0,
             expert_ring: 0,
+            loaded: None,
+            prepared: None,
+            range_before: None,
+            ring_bytes: 0,
+            rings: 0,
         }),
     });
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -188,19 +207,21 @@ impl worker_server::Worker for Svc {
 
     async fn wire(&self, req: Request<WireRequest>) -> Result<Response<WireReply>, Status> {
         let req = req.into_inner();
-        let next = req
-            .next
-            .ok_or_else(|| Status::invalid_argument("Wire needs the next endpoint"))?;
         let choice = match Transport::try_from(req.transport).unwrap_or(Transport::Auto) {
             Transport::Auto => TransportChoice::Auto,
             Transport::Shm => TransportChoice::Shm,
             Transport::Grpc => TransportChoice::Grpc,
         };
-        let outbox = Outbox::connect(&next, choice)
-            .await
-            .map_err(|e| Status::unavailable(format!("worker {}: {e}", self.0.id)))?;
-        let kind = outbox.kind();
-        tracing::info!("output goes to {} over {kind}", next.grpc_addr);
+        let outbox = match &req.next {
+            Some(next) => {
+                let o = Outbox::connect(next, choice)
+                    .await
+                    .map_err(|e| Status::unavailable(format!("worker {}: {e}", self.0.id)))?;
+                tracing::info!("output goes to {} over {}", next.grpc_addr, o.kind());
+                Some(o)
+            }
+            None => None,
+        };
         let ring = self.0.state.lock().unwrap().expert_ring;
         let mut routes = Vec::new();
         let mut expert_transports = Vec::new();
@@ -232,10 +253,135 @@ impl worker_server::Worker for Svc {
         *self.0.experts.lock().unwrap() = (!routes.is_empty()).then(|| {
             RemoteExperts::new(routes, Duration::from_secs_f64(self.0.cfg.expert_timeout))
         });
-        *self.0.outbox.lock().unwrap() = Some(outbox);
+        let mut current = self.0.outbox.lock().unwrap();
+        if let Some(o) = outbox {
+            *current = Some(o);
+        }
+        let transport = current.as_ref().map(|o| o.kind().to_string());
         Ok(Response::new(WireReply {
-            transport: kind.to_string(),
+            transport: transport.unwrap_or_default(),
             expert_transports,
+        }))
+    }
+
+    async fn prepare(
+        &self,
+        req: Request<PrepareRequest>,
+    ) -> Result<Response<PrepareReply>, Status> {
+        let req = req.into_inner();
+        let w = self.0.clone();
+        tokio::task::spawn_blocking(move || w.prepare(req))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map(Response::new)
+    }
+
+    type ExportStateStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<StateChunk, Status>> + Send>>;
+
+    async fn export_state(
+        &self,
+        req: Request<ExportStateRequest>,
+    ) -> Result<Response<Self::ExportStateStream>, Status> {
+        let req = req.into_inner();
+        let exec = self.0.exec()?;
+        let id = self.0.id.clone();
+        let (kv, seqs) =
+            tokio::task::spawn_blocking(move || exec.export(req.layer_start..req.layer_end))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(|e| Status::failed_precondition(format!("worker {id}: {e}")))?;
+        let mut chunks = Vec::new();
+        if let Some(kv) = kv {
+            let bytes = kv.to_bytes();
+            for (i, piece) in bytes.chunks(CHUNK).enumerate() {
+                chunks.push(StateChunk {
+                    kv: piece.to_vec(),
+                    kv_start: i == 0,
+                    ..Default::default()
+                });
+            }
+        }
+        chunks.push(StateChunk {
+            seqs: serde_json::to_vec(&seqs).map_err(|e| Status::internal(e.to_string()))?,
+            ..Default::default()
+        });
+        Ok(Response::new(Box::pin(tokio_stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
+    }
+
+    async fn switch(
+        &self,
+        req: Request<tonic::Streaming<StateChunk>>,
+    ) -> Result<Response<SwitchReply>, Status> {
+        use tokio_stream::StreamExt;
+        let t = Instant::now();
+        let mut stream = req.into_inner();
+        let mut header = None;
+        let mut kv: Vec<Vec<u8>> = Vec::new();
+        let mut seqs = Vec::new();
+        while let Some(c) = stream.next().await {
+            let c = c?;
+            if let Some(h) = c.header {
+                header = Some(h);
+            }
+            if c.kv_start {
+                kv.push(Vec::new());
+            }
+            if !c.kv.is_empty() {
+                kv.last_mut()
+                    .ok_or_else(|| Status::invalid_argument("KV bytes before a KV start"))?
+                    .extend_from_slice(&c.kv);
+            }
+            if !c.seqs.is_empty() {
+                seqs.push(
+                    serde_json::from_slice::<exec::SeqState>(&c.seqs).map_err(|e| {
+                        Status::invalid_argument(format!("bad sequence state: {e}"))
+                    })?,
+                );
+            }
+        }
+        let h = header.ok_or_else(|| Status::invalid_argument("Switch needs a header first"))?;
+        let kv_bytes_in = kv.iter().map(|k| k.len() as u64).sum();
+        let w = self.0.clone();
+        tokio::task::spawn_blocking(move || w.switch(h, kv, seqs))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(SwitchReply {
+            switch_seconds: t.elapsed().as_secs_f64(),
+            kv_bytes_in,
+        }))
+    }
+
+    async fn finish(&self, req: Request<FinishRequest>) -> Result<Response<FinishReply>, Status> {
+        let commit = req.into_inner().commit;
+        let w = self.0.clone();
+        tokio::task::spawn_blocking(move || w.finish(commit))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map(Response::new)
+    }
+
+    async fn open_inbox(
+        &self,
+        _: Request<OpenInboxRequest>,
+    ) -> Result<Response<OpenInboxReply>, Status> {
+        let w = &self.0;
+        let (n, bytes) = {
+            let mut st = w.state.lock().unwrap();
+            st.rings += 1;
+            (st.rings, st.ring_bytes)
+        };
+        let mut inbox = w.inbox.lock().unwrap();
+        if bytes > 0 {
+            let name = format!("omni-{}-{}-{n}", w.id, std::process::id());
+            if let Err(e) = inbox.add_ring(&w.cfg.shm_dir, &name, bytes) {
+                tracing::warn!("no new shared-memory ring ({e}); receiving over gRPC only");
+            }
+        }
+        Ok(Response::new(OpenInboxReply {
+            inbox: Some(inbox.endpoint(&w.advertise, &w.inventory.host_id)),
         }))
     }
 
@@ -251,6 +397,13 @@ impl worker_server::Worker for Svc {
         };
         let memory = inventory::cpu_memory(&w.cfg.device, w.cfg.memory);
         let st = w.state.lock().unwrap();
+        let used = w.stats.held_bytes.load(Ordering::Relaxed)
+            + st.prepared.as_ref().map_or(0, Stage::held_bytes);
+        // Offered a cap, a worker has what it holds less than the cap free.
+        let free = |(total, free): (u64, u64)| match w.cfg.memory {
+            Some(_) => free.min(total.saturating_sub(used)),
+            None => free,
+        };
         Ok(Response::new(StatusReply {
             worker_id: w.id.clone(),
             loaded: st.exec.is_some(),
@@ -272,12 +425,140 @@ impl worker_server::Worker for Svc {
             expert_calls: link_stats(|s| &s.frames_sent),
             tokens: w.stats.tokens.load(Ordering::Relaxed),
             memory_total: memory.map_or(0, |m| m.0),
-            memory_free: memory.map_or(0, |m| m.1),
+            memory_free: memory.map_or(0, free),
+            memory_used: used,
         }))
     }
 }
 
 impl Worker {
+    fn exec(&self) -> Result<Arc<Exec>, Status> {
+        self.state.lock().unwrap().exec.clone().ok_or_else(|| {
+            Status::failed_precondition(format!("worker {} has loaded nothing", self.id))
+        })
+    }
+
+    /// Loads the standby stage for a move, beside the running one.
+    fn prepare(&self, req: PrepareRequest) -> Result<PrepareReply, Status> {
+        let t = Instant::now();
+        let range = LayerRange {
+            embed: req.embed,
+            layers: req.layer_start..req.layer_end,
+            head: req.head,
+        };
+        let (model, cfg) = {
+            let mut st = self.state.lock().unwrap();
+            if st.range_before.is_some() {
+                return Err(Status::failed_precondition(format!(
+                    "worker {}: a move is pending (finish it first)",
+                    self.id
+                )));
+            }
+            // A standby stage from an unfinished move is replaced.
+            st.prepared = None;
+            st.loaded.clone().ok_or_else(|| {
+                Status::failed_precondition(format!("worker {} has loaded nothing", self.id))
+            })?
+        };
+        tracing::info!("preparing {range} beside the running stage");
+        let stage = Stage::load_offloaded(model, range.clone(), cfg, &req.offloaded)
+            .map_err(|e| Status::failed_precondition(format!("worker {}: {e}", self.id)))?;
+        let reply = PrepareReply {
+            weight_bytes: stage.weights().mapped_bytes + stage.weights().repacked_bytes,
+            kv_bytes: stage.kv().allocated_bytes(),
+            compute_bytes: stage.compute_bytes() as u64,
+            held_bytes: stage.held_bytes() + self.stats.held_bytes.load(Ordering::Relaxed),
+            load_seconds: t.elapsed().as_secs_f64(),
+        };
+        self.state.lock().unwrap().prepared = Some(stage);
+        tracing::info!("prepared {range} in {:.2}s", reply.load_seconds);
+        Ok(reply)
+    }
+
+    /// Switches to the prepared stage (or to none), with the incoming KV
+    /// cache and sequence state.
+    fn switch(
+        &self,
+        h: omni_proto::worker::v1::SwitchHeader,
+        kv: Vec<Vec<u8>>,
+        seqs: Vec<exec::SeqState>,
+    ) -> Result<(), Status> {
+        let bad = |e: String| Status::failed_precondition(format!("worker {}: {e}", self.id));
+        let incoming = kv
+            .iter()
+            .map(|b| omni_engine::kv::KvLayers::from_bytes(b).map_err(|e| bad(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (exec, new, before) = {
+            let mut st = self.state.lock().unwrap();
+            let exec = st
+                .exec
+                .clone()
+                .ok_or_else(|| bad("nothing is loaded".into()))?;
+            let new = if h.drain {
+                st.prepared = None;
+                None
+            } else {
+                let want = LayerRange {
+                    embed: h.embed,
+                    layers: h.layer_start..h.layer_end,
+                    head: h.head,
+                };
+                let p = st
+                    .prepared
+                    .take()
+                    .ok_or_else(|| bad(format!("no stage was prepared for {want}")))?;
+                if *p.range() != want {
+                    return Err(bad(format!(
+                        "the prepared stage runs {}, not {want}",
+                        p.range()
+                    )));
+                }
+                Some(p)
+            };
+            (exec, new, st.range.clone())
+        };
+        let range = new.as_ref().map(|s| s.range().clone());
+        exec.switch(new, h.stage, incoming, seqs).map_err(bad)?;
+        let mut st = self.state.lock().unwrap();
+        st.range_before = Some(before);
+        st.range = range.clone();
+        match range {
+            Some(r) => tracing::info!("switched to {r}"),
+            None => tracing::info!("drained: this worker runs no layers now"),
+        }
+        Ok(())
+    }
+
+    /// Commits or rolls back a pending switch, and drops any standby stage.
+    fn finish(&self, commit: bool) -> Result<FinishReply, Status> {
+        let exec = {
+            let mut st = self.state.lock().unwrap();
+            st.prepared = None;
+            st.exec.clone()
+        };
+        let range = match exec {
+            Some(e) => e
+                .finish(commit)
+                .map_err(|e| Status::internal(format!("worker {}: {e}", self.id)))?,
+            None => None,
+        };
+        let mut st = self.state.lock().unwrap();
+        if st.range_before.take().is_some() {
+            tracing::info!(
+                "{} the move: running {}",
+                if commit { "committed" } else { "rolled back" },
+                range
+                    .as_ref()
+                    .map_or_else(|| "no layers".to_string(), |r| r.to_string())
+            );
+        }
+        st.range = range.clone();
+        Ok(FinishReply {
+            held_bytes: self.stats.held_bytes.load(Ordering::Relaxed),
+            range: range.map(|r| r.to_string()).unwrap_or_default(),
+        })
+    }
+
     /// The Prometheus text for this worker, read from its counters.
     fn render_metrics(&self) -> String {
         use prometheus_client::metrics::{counter::ConstCounter, gauge::ConstGauge};
@@ -423,6 +704,7 @@ impl Worker {
             .moe
             .as_ref()
             .map_or(1, |m| m.n_expert_used as usize);
+        let model_arc = model.clone();
         let stage = Stage::load_offloaded(model, range.clone(), cfg.clone(), &req.offloaded)
             .map_err(|e| Status::failed_precondition(format!("worker {}: {e}", self.id)))?;
         if !req.offloaded.is_empty() {
@@ -466,7 +748,11 @@ impl Worker {
             self.stats.clone(),
         );
         let mut st = self.state.lock().unwrap();
-        st.exec = Some(exec);
+        st.exec = Some(Arc::new(exec));
+        st.loaded = Some((model_arc, cfg.clone()));
+        st.ring_bytes = 4 * frame;
+        st.prepared = None;
+        st.range_before = None;
         st.range = Some(range.clone());
         st.kv_cells = cfg.kv.n_cells() as u64;
         st.expert_ring = omni_transport::experts::ring_bytes(cfg.n_ubatch, n_embd, n_used);

@@ -1,12 +1,14 @@
 //! The admin console's verbs against a coordinator's admin API
-//! (`omni.admin.v1` on its `--admin-listen` address): `omnictl workers`, and
-//! `omnictl plan --admin` (the running plan, or a dry run of another split).
+//! (`omni.admin.v1` on its `--admin-listen` address): `omnictl workers`,
+//! `omnictl plan --admin` (the running plan, or a dry run of another split),
+//! and the live moves `rebalance`, `drain` and `undrain`.
 //! Human tables by default, `--json` for scripts.
 
 use anyhow::Context;
 use clap::Args;
 use omni_proto::admin::v1::{
-    admin_client::AdminClient, GetPlanRequest, ListWorkersRequest, PlanDryRunRequest, WorkerInfo,
+    admin_client::AdminClient, DrainRequest, GetPlanRequest, ListWorkersRequest, MoveReply,
+    PlanDryRunRequest, RebalanceRequest, UndrainRequest, WorkerInfo,
 };
 use std::time::Duration;
 
@@ -29,6 +31,122 @@ pub struct WorkersArgs {
     pub json: bool,
 }
 
+/// `omnictl rebalance`: move layers to a worker, or apply a new split.
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("how").required(true).args(["layers", "split", "counts"])))]
+pub struct RebalanceArgs {
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    /// The layers to move (e.g. 8-11, inclusive), with --to.
+    #[arg(long, requires = "to", value_parser = parse_layer_range)]
+    pub layers: Option<std::ops::Range<u32>>,
+    /// The worker that takes them (it must run the layers next to them).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// A new split over the serving workers by proportion (e.g. 3,1).
+    #[arg(long, value_delimiter = ',')]
+    pub split: Option<Vec<f64>>,
+    /// A new split over the serving workers by layer counts (e.g. 6,6,6).
+    #[arg(long, value_delimiter = ',')]
+    pub counts: Option<Vec<u32>>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `omnictl drain` / `undrain`.
+#[derive(Args, Debug)]
+pub struct DrainArgs {
+    /// The worker's id (as `omnictl workers` shows it).
+    pub worker: String,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// "8-11" (inclusive) or "8" as the range 8..12 or 8..9.
+fn parse_layer_range(s: &str) -> Result<std::ops::Range<u32>, String> {
+    let num = |x: &str| {
+        x.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("'{s}' is not a layer range like 8-11"))
+    };
+    let (a, b) = match s.split_once('-') {
+        Some((a, b)) => (num(a)?, num(b)?),
+        None => (num(s)?, num(s)?),
+    };
+    if b < a {
+        return Err(format!("'{s}': the range ends before it starts"));
+    }
+    Ok(a..b + 1)
+}
+
+pub fn rebalance(a: &RebalanceArgs) -> anyhow::Result<()> {
+    let req = RebalanceRequest {
+        layer_start: a.layers.as_ref().map_or(0, |r| r.start),
+        layer_end: a.layers.as_ref().map_or(0, |r| r.end),
+        to: a.to.clone().unwrap_or_default(),
+        layers: a.counts.clone().unwrap_or_default(),
+        split: a.split.clone().unwrap_or_default(),
+    };
+    let reply = runtime()?.block_on(async {
+        let mut c = move_client(&a.admin).await?;
+        anyhow::Ok(c.rebalance(req).await.map_err(refused)?.into_inner())
+    })?;
+    print_move(&reply, a.json)
+}
+
+pub fn drain(a: &DrainArgs, undrain: bool) -> anyhow::Result<()> {
+    let reply = runtime()?.block_on(async {
+        let mut c = move_client(&a.admin).await?;
+        let worker = a.worker.clone();
+        let r = if undrain {
+            c.undrain(UndrainRequest { worker }).await
+        } else {
+            c.drain(DrainRequest { worker }).await
+        };
+        anyhow::Ok(r.map_err(refused)?.into_inner())
+    })?;
+    print_move(&reply, a.json)
+}
+
+fn print_move(r: &MoveReply, json: bool) -> anyhow::Result<()> {
+    let plan = r.plan.clone().unwrap_or_default();
+    if json {
+        let plan: serde_json::Value =
+            serde_json::from_str(&plan.json).unwrap_or(serde_json::Value::Null);
+        let v = serde_json::json!({
+            "moves": r.moves, "unchanged": r.unchanged,
+            "prepare_seconds": r.prepare_seconds, "pause_seconds": r.pause_seconds,
+            "total_seconds": r.total_seconds, "kv_bytes": r.kv_bytes, "plan": plan,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    if r.unchanged {
+        println!("nothing to move: the cluster already runs this split");
+    } else {
+        println!("moved:");
+        for m in &r.moves {
+            println!("  {m}");
+        }
+        println!(
+            "loaded the new ranges in {:.2}s while serving; the pipeline paused {:.1} ms to hand over {} of KV cache; {:.2}s in all",
+            r.prepare_seconds,
+            r.pause_seconds * 1e3,
+            omni_engine::fmt_bytes(r.kv_bytes),
+            r.total_seconds
+        );
+    }
+    print!("{}", plan.text);
+    Ok(())
+}
+
+/// A client for moves, which may take as long as loading layers does.
+async fn move_client(a: &AdminArgs) -> anyhow::Result<Client> {
+    client_with_timeout(a, Duration::from_secs(3600)).await
+}
+
 /// Adds `authorization: Bearer <token>` to every call (when there is a token).
 #[derive(Clone)]
 pub(crate) struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
@@ -47,9 +165,13 @@ type Client =
 
 /// A client of the admin API at `a.admin`, sending `a.token`.
 pub(crate) async fn admin_client(a: &AdminArgs) -> anyhow::Result<Client> {
+    client_with_timeout(a, Duration::from_secs(30)).await
+}
+
+async fn client_with_timeout(a: &AdminArgs, timeout: Duration) -> anyhow::Result<Client> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", a.admin))?
         .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(30))
+        .timeout(timeout)
         .connect()
         .await
         .with_context(|| format!("cannot reach the admin API at {}", a.admin))?;
@@ -102,6 +224,8 @@ fn worker_json(w: &WorkerInfo) -> serde_json::Value {
         "offloaded": w.offloaded, "kv_cells_used": w.kv_cells_used,
         "kv_cells_total": w.kv_cells_total, "steps": w.steps,
         "last_step_ms": w.last_step_ms, "health": w.health,
+        "memory_used": w.memory_used, "drained": w.drained,
+        "layer_start": w.layer_start, "layer_end": w.layer_end,
     })
 }
 
@@ -124,22 +248,25 @@ pub fn workers_table(ws: &[WorkerInfo]) -> String {
         "health"
     );
     for w in ws {
-        let stage = if w.kind == "stage" {
+        let serving = w.kind == "stage" && !w.drained;
+        let stage = if serving {
             w.stage.to_string()
         } else {
             "-".into()
         };
-        let experts = if w.kind == "stage" {
+        let experts = if serving {
             format!("out {}", w.offloaded)
-        } else {
+        } else if w.kind == "experts" {
             "routed".into()
+        } else {
+            "-".into()
         };
-        let kv = if w.kind == "stage" {
+        let kv = if serving {
             format!("{}/{}", w.kv_cells_used, w.kv_cells_total)
         } else {
             "-".into()
         };
-        let step = if w.kind == "stage" {
+        let step = if serving {
             format!("{:.2}", w.last_step_ms)
         } else {
             "-".into()

@@ -51,6 +51,12 @@ pub enum Command {
     Workers(admin::WorkersArgs),
     /// A live terminal view of a running cluster: layers, tokens/s, step time, memory (admin API).
     Top(top::TopArgs),
+    /// Move layers between workers while the cluster serves: `--layers 8-11 --to w2`, or a new split (admin API).
+    Rebalance(admin::RebalanceArgs),
+    /// Move every layer off a worker and take it out of the pipeline, while serving (admin API).
+    Drain(admin::DrainArgs),
+    /// Put a drained worker back into the pipeline, while serving (admin API).
+    Undrain(admin::DrainArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -67,6 +73,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(args) => up::run(args),
         Command::Workers(args) => admin::workers(&args),
         Command::Top(args) => top::run(&args),
+        Command::Rebalance(args) => admin::rebalance(&args),
+        Command::Drain(args) => admin::drain(&args, false),
+        Command::Undrain(args) => admin::drain(&args, true),
     }
 }
 

@@ -1,0 +1,947 @@
+//! Live migration: moving layers between stage workers while the cluster
+//! serves (the admin API's Rebalance, Drain and Undrain).
+//!
+//! A move is a new layout (which workers serve, in pipeline order, and how
+//! many layers each runs) carried out in phases:
+//!
+//! 1. Check it with the planner, on the same worker specs as at start-up
+//!    (refused with the planner's numbers if it does not fit), and check
+//!    that every worker that changes can hold its old and new stage at
+//!    once (the switch keeps both until it commits).
+//! 2. Prepare: every worker whose range changes loads its new range beside
+//!    the running one. Serving goes on meanwhile.
+//! 3. Pause the scheduler at a step boundary (nothing in flight), stream
+//!    the KV cache of the layers that change hands (and the sequences'
+//!    sampling state, when the head moves) from the workers that ran them
+//!    into the ones that take them, and switch every changed worker to its
+//!    new stage. Rewire the pipeline where a worker left or joined it.
+//! 4. Commit (the old stages are dropped, their memory freed) and resume;
+//!    or, if anything failed, roll every worker back to its old stage (it
+//!    was kept, and no step ran since) and resume as before.
+
+use crate::admin::{ClusterView, Placement};
+use crate::plan::{self, Plan, PlanConfig, Split, WorkerSpec};
+use crate::scheduler::Event;
+use crate::Registered;
+use omni_engine::stage::LayerRange;
+use omni_engine::{fmt_bytes, ModelFile};
+use omni_proto::admin::v1::{MoveReply, PlanReply};
+use omni_proto::coordinator::v1::{ExpertWorkerInfo, StageInfo};
+use omni_proto::worker::v1::{
+    worker_client::WorkerClient, Endpoint, ExpertRoute, ExportStateRequest, FinishRequest,
+    OpenInboxRequest, PrepareRequest, StateChunk, SwitchHeader, Transport, WireRequest,
+};
+use omni_transport::{Inbox, Outbox, TransportChoice};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::Status;
+
+/// One stage worker as the coordinator knows it.
+pub struct LiveWorker {
+    pub reg: Registered,
+    pub spec: WorkerSpec,
+    /// Where its input goes now.
+    pub inbox: Endpoint,
+    /// Bytes of its stage (weights, KV cache, compute), as it reported them.
+    pub stage_bytes: (u64, u64, u64),
+    /// How its output and expert calls travel ("shm"/"grpc").
+    pub transport: String,
+    pub expert_transports: Vec<String>,
+}
+
+/// What a cluster's moves need to know of the coordinator.
+pub struct Setup {
+    pub model: Arc<ModelFile>,
+    pub pcfg: PlanConfig,
+    pub transport: TransportChoice,
+    pub advertise: String,
+    pub shm_dir: std::path::PathBuf,
+    pub events: crossbeam_channel::Sender<Event>,
+    /// How long a pause may wait for the steps in flight.
+    pub step_timeout: Duration,
+}
+
+/// The running cluster, as moves need it.
+pub struct Live {
+    pub setup: Setup,
+    /// Every stage worker, in pipeline order (by id).
+    pub workers: Vec<LiveWorker>,
+    pub expert_workers: Vec<(Registered, WorkerSpec, ExpertWorkerInfo)>,
+    /// Which workers serve, in pipeline order: `plan.stages[i]` runs on
+    /// `workers[serving[i]]`.
+    pub serving: Vec<usize>,
+    pub plan: Plan,
+    /// The coordinator's results inbox (the last stage sends to it).
+    pub results: Arc<Mutex<Inbox>>,
+    pub results_ep: Endpoint,
+    rings: u32,
+    /// The pipeline's links as wired now: (sender, receiver), None being
+    /// the coordinator.
+    links: Vec<(Option<usize>, Option<usize>)>,
+    /// The offloaded layers each worker's expert routes were wired for.
+    wired: Vec<(usize, Vec<u32>)>,
+}
+
+/// What a move does to one worker.
+struct Change {
+    worker: usize,
+    old: Option<(LayerRange, Vec<u32>)>,
+    new: Option<(LayerRange, Vec<u32>)>,
+    /// Pipeline position once moved.
+    stage: u32,
+}
+
+impl Live {
+    pub fn new(
+        setup: Setup,
+        workers: Vec<LiveWorker>,
+        expert_workers: Vec<(Registered, WorkerSpec, ExpertWorkerInfo)>,
+        plan: Plan,
+        results: Arc<Mutex<Inbox>>,
+        results_ep: Endpoint,
+    ) -> Live {
+        let serving: Vec<usize> = (0..workers.len()).collect();
+        let links = pipeline_links(&serving);
+        let wired = serving
+            .iter()
+            .map(|&w| (w, plan.stages[w].offloaded.clone()))
+            .collect();
+        Live {
+            links,
+            wired,
+            setup,
+            workers,
+            expert_workers,
+            serving,
+            plan,
+            results,
+            results_ep,
+            rings: 0,
+        }
+    }
+
+    /// What the admin API shows: every stage worker (serving ones in
+    /// pipeline order, then drained ones) and every expert worker.
+    pub fn view(&self) -> ClusterView {
+        let mut placements = Vec::new();
+        for (i, st) in self.plan.stages.iter().enumerate() {
+            let w = &self.workers[self.serving[i]];
+            let (a, b, c) = w.stage_bytes;
+            placements.push(Placement {
+                worker: w.reg.clone(),
+                stage: i as u32,
+                layers: st.range.to_string(),
+                offloaded: plan::fmt_layers(&st.offloaded),
+                planned_bytes: a + b + c,
+                range: st.range.layers.clone(),
+                expert_layers: Vec::new(),
+                drained: false,
+            });
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            if !self.serving.contains(&i) {
+                placements.push(Placement {
+                    worker: w.reg.clone(),
+                    stage: 0,
+                    layers: "drained".into(),
+                    offloaded: String::new(),
+                    planned_bytes: 0,
+                    range: 0..0,
+                    expert_layers: Vec::new(),
+                    drained: true,
+                });
+            }
+        }
+        for (reg, _, e) in &self.expert_workers {
+            placements.push(Placement {
+                worker: reg.clone(),
+                stage: 0,
+                layers: e.layers.clone(),
+                offloaded: String::new(),
+                planned_bytes: e.weight_bytes + e.compute_bytes,
+                range: 0..0,
+                expert_layers: self
+                    .plan
+                    .experts
+                    .iter()
+                    .find(|p| p.worker == reg.id)
+                    .map(|p| p.layers.clone())
+                    .unwrap_or_default(),
+                drained: false,
+            });
+        }
+        ClusterView {
+            model: self.setup.model.clone(),
+            config: self.setup.pcfg.clone(),
+            stages: self.serving_specs(&self.serving),
+            expert_workers: self.expert_workers.iter().map(|e| e.1.clone()).collect(),
+            plan: self.plan.clone(),
+            placements,
+        }
+    }
+
+    /// The coordinator's Info stages (serving workers, pipeline order).
+    pub fn stage_infos(&self) -> Vec<StageInfo> {
+        self.plan
+            .stages
+            .iter()
+            .zip(&self.serving)
+            .map(|(st, &wi)| {
+                let w = &self.workers[wi];
+                StageInfo {
+                    worker_id: w.reg.id.clone(),
+                    device: w.reg.inventory.device.clone(),
+                    range: st.range.to_string(),
+                    transport: w.transport.clone(),
+                    weight_bytes: w.stage_bytes.0,
+                    kv_bytes: w.stage_bytes.1,
+                    compute_bytes: w.stage_bytes.2,
+                    worker_addr: w.reg.addr.clone(),
+                    offloaded: plan::fmt_layers(&st.offloaded),
+                    expert_transports: w.expert_transports.clone(),
+                }
+            })
+            .collect()
+    }
+
+    fn serving_specs(&self, serving: &[usize]) -> Vec<WorkerSpec> {
+        serving
+            .iter()
+            .map(|&i| self.workers[i].spec.clone())
+            .collect()
+    }
+
+    fn index_of(&self, id: &str) -> Result<usize, Status> {
+        self.workers
+            .iter()
+            .position(|w| w.reg.id == id)
+            .ok_or_else(|| {
+                let ids: Vec<&str> = self.workers.iter().map(|w| w.reg.id.as_str()).collect();
+                Status::not_found(format!(
+                    "no stage worker '{id}' (the stage workers are {})",
+                    ids.join(", ")
+                ))
+            })
+    }
+
+    /// The counts of a split over the serving workers that moves `moved`
+    /// to worker `to` (see [`counts_for_move`]).
+    pub fn counts_moving(&self, moved: std::ops::Range<u32>, to: &str) -> Result<Vec<u32>, Status> {
+        let wi = self.index_of(to)?;
+        let t = self.serving.iter().position(|&s| s == wi).ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "worker {to} is drained; undrain it before moving layers to it"
+            ))
+        })?;
+        let ranges: Vec<std::ops::Range<u32>> = self
+            .plan
+            .stages
+            .iter()
+            .map(|s| s.range.layers.clone())
+            .collect();
+        let ids: Vec<&str> = self
+            .serving
+            .iter()
+            .map(|&i| self.workers[i].reg.id.as_str())
+            .collect();
+        counts_for_move(&ranges, &ids, moved, t).map_err(Status::failed_precondition)
+    }
+
+    /// Layer counts by proportion (`--split 3,1`) over the serving workers.
+    pub fn counts_for(&self, split: Split) -> Result<Vec<u32>, Status> {
+        self.plan_for(&self.serving, Some(split))
+            .map(|p| counts_of(&p))
+    }
+
+    /// Rebalance to `counts` over the serving workers.
+    pub async fn rebalance(&mut self, counts: Vec<u32>) -> Result<MoveReply, Status> {
+        let serving = self.serving.clone();
+        self.apply(serving, Some(counts)).await
+    }
+
+    /// Takes `id` out of the pipeline; the others take the automatic split.
+    pub async fn drain(&mut self, id: &str) -> Result<MoveReply, Status> {
+        let wi = self.index_of(id)?;
+        if !self.serving.contains(&wi) {
+            return Err(Status::failed_precondition(format!(
+                "worker {id} is already drained"
+            )));
+        }
+        let serving: Vec<usize> = self.serving.iter().copied().filter(|&i| i != wi).collect();
+        if serving.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "worker {id} is the only serving worker; draining it would leave nothing to serve"
+            )));
+        }
+        self.apply(serving, None).await
+    }
+
+    /// Puts a drained `id` back at its place, with the automatic split.
+    pub async fn undrain(&mut self, id: &str) -> Result<MoveReply, Status> {
+        let wi = self.index_of(id)?;
+        if self.serving.contains(&wi) {
+            return Err(Status::failed_precondition(format!(
+                "worker {id} is serving, not drained"
+            )));
+        }
+        let mut serving = self.serving.clone();
+        serving.push(wi);
+        serving.sort_unstable();
+        self.apply(serving, None).await
+    }
+
+    fn plan_for(&self, serving: &[usize], split: Option<Split>) -> Result<Plan, Status> {
+        let mut cfg = self.setup.pcfg.clone();
+        cfg.split = split;
+        let experts: Vec<WorkerSpec> = self.expert_workers.iter().map(|e| e.1.clone()).collect();
+        plan::plan_with_experts(
+            &self.setup.model,
+            &self.serving_specs(serving),
+            &experts,
+            &cfg,
+        )
+        .map_err(|e| Status::failed_precondition(format!("refused: {e}")))
+    }
+
+    /// Carries out a move to `serving` with `counts` (None: the automatic
+    /// split), as the module documentation says.
+    async fn apply(
+        &mut self,
+        serving: Vec<usize>,
+        counts: Option<Vec<u32>>,
+    ) -> Result<MoveReply, Status> {
+        let t0 = Instant::now();
+        let new_plan = self.plan_for(&serving, counts.map(Split::Layers))?;
+        let offloaded = |p: &Plan| -> Vec<u32> {
+            let mut v: Vec<u32> = p.stages.iter().flat_map(|s| s.offloaded.clone()).collect();
+            v.sort_unstable();
+            v
+        };
+        if offloaded(&new_plan) != offloaded(&self.plan) || new_plan.experts != self.plan.experts {
+            return Err(Status::failed_precondition(format!(
+                "refused: the new split would change which layers' routed experts run on expert workers (now {}, then {}); experts do not move live, restart with the split instead",
+                plan::fmt_layers(&offloaded(&self.plan)),
+                plan::fmt_layers(&offloaded(&new_plan))
+            )));
+        }
+        // What changes, worker by worker.
+        let at = |serving: &[usize], p: &Plan, wi: usize| {
+            serving.iter().position(|&s| s == wi).map(|i| {
+                (
+                    i as u32,
+                    p.stages[i].range.clone(),
+                    p.stages[i].offloaded.clone(),
+                )
+            })
+        };
+        let mut changes = Vec::new();
+        for wi in 0..self.workers.len() {
+            let old = at(&self.serving, &self.plan, wi);
+            let new = at(&serving, &new_plan, wi);
+            let strip = |x: &Option<(u32, LayerRange, Vec<u32>)>| {
+                x.as_ref().map(|(_, r, o)| (r.clone(), o.clone()))
+            };
+            if strip(&old) != strip(&new) {
+                changes.push(Change {
+                    worker: wi,
+                    stage: new.as_ref().map_or(0, |n| n.0),
+                    old: strip(&old),
+                    new: strip(&new),
+                });
+            }
+        }
+        if changes.is_empty() {
+            return Ok(MoveReply {
+                plan: Some(plan_reply(&self.plan)?),
+                unchanged: true,
+                total_seconds: t0.elapsed().as_secs_f64(),
+                ..Default::default()
+            });
+        }
+        // Both stages at once on every worker that changes.
+        for c in &changes {
+            let Some(i) = serving.iter().position(|&s| s == c.worker) else {
+                continue;
+            };
+            let w = &self.workers[c.worker];
+            let old = if c.old.is_some() {
+                let (a, b, c) = w.stage_bytes;
+                a + b + c
+            } else {
+                0
+            };
+            let new = new_plan.stages[i].bytes.total;
+            let budget = new_plan.stages[i].bytes.budget;
+            if old + new > budget {
+                return Err(Status::failed_precondition(format!(
+                    "refused: during the move worker {} holds its old and its new stage at once: {} + {} = {}, more than its {} usable ({} free, {:.0}% headroom); move fewer layers at a time",
+                    w.reg.id,
+                    fmt_bytes(old),
+                    fmt_bytes(new),
+                    fmt_bytes(old + new),
+                    fmt_bytes(budget),
+                    fmt_bytes(w.spec.free_bytes),
+                    self.setup.pcfg.headroom * 100.0
+                )));
+            }
+        }
+        let moves: Vec<String> = changes
+            .iter()
+            .map(|c| {
+                let show = |x: &Option<(LayerRange, Vec<u32>)>| {
+                    x.as_ref()
+                        .map_or_else(|| "nothing (drained)".to_string(), |(r, _)| r.to_string())
+                };
+                format!(
+                    "{}: {} -> {}",
+                    self.workers[c.worker].reg.id,
+                    show(&c.old),
+                    show(&c.new)
+                )
+            })
+            .collect();
+        tracing::info!("moving layers: {}", moves.join("; "));
+
+        // 2. Prepare, while serving.
+        let t_prepare = Instant::now();
+        let mut prepares = Vec::new();
+        for c in &changes {
+            let Some((range, off)) = &c.new else { continue };
+            let req = PrepareRequest {
+                embed: range.embed,
+                layer_start: range.layers.start,
+                layer_end: range.layers.end,
+                head: range.head,
+                offloaded: off.clone(),
+                stage: c.stage,
+            };
+            let (id, addr) = self.addr(c.worker);
+            prepares.push((
+                c.worker,
+                tokio::spawn(async move {
+                    let mut cl = client(&addr).await?;
+                    cl.prepare(req).await.map(|r| r.into_inner()).map_err(|s| {
+                        format!("worker {id} could not load its new range: {}", s.message())
+                    })
+                }),
+            ));
+        }
+        let mut stage_bytes = Vec::new();
+        let mut failed = None;
+        for (wi, p) in prepares {
+            match p.await.map_err(|e| e.to_string()).and_then(|r| r) {
+                Ok(r) => stage_bytes.push((wi, (r.weight_bytes, r.kv_bytes, r.compute_bytes))),
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        let prepare_seconds = t_prepare.elapsed().as_secs_f64();
+        if let Some(e) = failed {
+            self.finish(&changes, false).await;
+            return Err(Status::aborted(format!(
+                "the move was abandoned before the switch, nothing changed: {e}"
+            )));
+        }
+
+        // 3. Pause at a step boundary, hand over, switch, rewire.
+        let t_pause = Instant::now();
+        if let Err(e) = self.pause().await {
+            self.finish(&changes, false).await;
+            return Err(Status::aborted(format!(
+                "the move was abandoned, nothing changed: the pipeline could not pause: {e}"
+            )));
+        }
+        let t_paused = Instant::now();
+        let handed = match self.hand_over(&changes).await {
+            Ok(kv) => self.rewire(&serving, &new_plan).await.map(|o| (kv, o)),
+            Err(e) => Err(e),
+        };
+        let (kv_bytes, outbox) = match handed {
+            Ok(x) => x,
+            Err(e) => {
+                self.finish(&changes, false).await;
+                // Back to the old wiring where the new one was (partly) made.
+                let (old_serving, old_plan) = (self.serving.clone(), self.plan.clone());
+                let outbox = match self.rewire(&old_serving, &old_plan).await {
+                    Ok(o) => o,
+                    Err(e2) => {
+                        tracing::error!("rolling back the wiring failed too: {e2}");
+                        None
+                    }
+                };
+                let _ = self.setup.events.send(Event::Resume(outbox));
+                return Err(Status::aborted(format!(
+                    "the move failed and was rolled back (every worker runs its old range): {e}"
+                )));
+            }
+        };
+
+        // 4. Go on, and commit: the old stages are dropped between steps
+        // (no rollback is possible once a step ran on the new ones).
+        let _ = self.setup.events.send(Event::Resume(outbox));
+        let pause_seconds = t_pause.elapsed().as_secs_f64();
+        tracing::debug!(
+            "paused {:.1} ms: {:.1} ms until nothing was in flight, {:.1} ms handing over",
+            pause_seconds * 1e3,
+            (t_paused - t_pause).as_secs_f64() * 1e3,
+            t_paused.elapsed().as_secs_f64() * 1e3
+        );
+        self.finish(&changes, true).await;
+        for c in &changes {
+            self.workers[c.worker].stage_bytes = stage_bytes
+                .iter()
+                .find(|(wi, _)| *wi == c.worker)
+                .map_or((0, 0, 0), |x| x.1);
+        }
+        self.serving = serving;
+        self.plan = new_plan;
+        tracing::info!(
+            "moved in {:.3}s (prepared in {prepare_seconds:.3}s, paused {:.1} ms, {} of KV cache handed over)",
+            t0.elapsed().as_secs_f64(),
+            pause_seconds * 1e3,
+            fmt_bytes(kv_bytes)
+        );
+        Ok(MoveReply {
+            moves,
+            plan: Some(plan_reply(&self.plan)?),
+            prepare_seconds,
+            pause_seconds,
+            total_seconds: t0.elapsed().as_secs_f64(),
+            kv_bytes,
+            unchanged: false,
+        })
+    }
+
+    fn addr(&self, wi: usize) -> (String, String) {
+        let r = &self.workers[wi].reg;
+        (r.id.clone(), r.addr.clone())
+    }
+
+    /// Asks the scheduler to pause and waits until nothing is in flight.
+    async fn pause(&self) -> Result<(), String> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.setup
+            .events
+            .send(Event::Pause(tx))
+            .map_err(|_| "the scheduler has stopped".to_string())?;
+        let wait = self.setup.step_timeout;
+        let r = tokio::task::spawn_blocking(move || rx.recv_timeout(wait))
+            .await
+            .map_err(|e| e.to_string())?;
+        match r {
+            Ok(r) => r,
+            Err(_) => {
+                let _ = self.setup.events.send(Event::Resume(None));
+                Err(format!(
+                    "steps still in flight after {:.0}s",
+                    wait.as_secs_f64()
+                ))
+            }
+        }
+    }
+
+    /// Switches every changed worker, streaming each the KV cache of the
+    /// layers it takes from the workers that ran them. Returns the bytes.
+    async fn hand_over(&self, changes: &[Change]) -> Result<u64, String> {
+        let mut total = 0;
+        for c in changes {
+            let header = SwitchHeader {
+                embed: c.new.as_ref().is_some_and(|n| n.0.embed),
+                layer_start: c.new.as_ref().map_or(0, |n| n.0.layers.start),
+                layer_end: c.new.as_ref().map_or(0, |n| n.0.layers.end),
+                head: c.new.as_ref().is_some_and(|n| n.0.head),
+                drain: c.new.is_none(),
+                stage: c.stage,
+            };
+            // Who gives what: every layer this worker did not run comes from
+            // the worker that ran it; the head's holder gives the samplers.
+            let mut sources: Vec<(usize, std::ops::Range<u32>)> = Vec::new();
+            if let Some((range, _)) = &c.new {
+                let had = c.old.as_ref().map_or(0..0, |o| o.0.layers.clone());
+                for (i, st) in self.plan.stages.iter().enumerate() {
+                    let giver = self.serving[i];
+                    if giver == c.worker {
+                        continue;
+                    }
+                    let r = &st.range.layers;
+                    let (a, b) = (r.start.max(range.layers.start), r.end.min(range.layers.end));
+                    // The part of the giver's layers this worker takes.
+                    let take: Vec<u32> = (a..b).filter(|l| !had.contains(l)).collect();
+                    if let (Some(&first), Some(&last)) = (take.first(), take.last()) {
+                        sources.push((giver, first..last + 1));
+                    } else if range.head && st.range.head {
+                        sources.push((giver, 0..0));
+                    }
+                }
+            }
+            let (id, addr) = self.addr(c.worker);
+            let mut cl = client(&addr).await?;
+            let (tx, rx) = tokio::sync::mpsc::channel::<StateChunk>(8);
+            let givers: Vec<(String, String, std::ops::Range<u32>)> = sources
+                .iter()
+                .map(|(g, r)| {
+                    let (gid, gaddr) = self.addr(*g);
+                    (gid, gaddr, r.clone())
+                })
+                .collect();
+            // Exports flow straight into the switch, a piece at a time.
+            let pump = tokio::spawn(async move {
+                use tokio_stream::StreamExt;
+                tx.send(StateChunk {
+                    header: Some(header),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|_| "the switch call ended early".to_string())?;
+                for (gid, gaddr, r) in givers {
+                    let mut g = client(&gaddr).await?;
+                    let mut s = g
+                        .export_state(ExportStateRequest {
+                            layer_start: r.start,
+                            layer_end: r.end,
+                        })
+                        .await
+                        .map_err(|s| {
+                            format!(
+                                "worker {gid} could not export layers {r:?}: {}",
+                                s.message()
+                            )
+                        })?
+                        .into_inner();
+                    while let Some(chunk) = s.next().await {
+                        let chunk = chunk.map_err(|s| {
+                            format!(
+                                "worker {gid}'s export of layers {r:?} broke: {}",
+                                s.message()
+                            )
+                        })?;
+                        tx.send(chunk)
+                            .await
+                            .map_err(|_| "the switch call ended early".to_string())?;
+                    }
+                }
+                Ok::<(), String>(())
+            });
+            let switched = cl
+                .switch(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await;
+            let pumped = pump.await.map_err(|e| e.to_string()).and_then(|r| r);
+            pumped?;
+            let r = switched
+                .map_err(|s| format!("worker {id} could not switch: {}", s.message()))?
+                .into_inner();
+            total += r.kv_bytes_in;
+        }
+        Ok(total)
+    }
+
+    /// Wires the pipeline `serving` (with `plan`'s expert routes): a worker
+    /// whose sender changes gets a fresh inbox and its sender is wired to
+    /// it; a worker whose offloaded layers change gets its routes. Returns
+    /// the scheduler's new outbox when the first stage changed.
+    async fn rewire(&mut self, serving: &[usize], plan: &Plan) -> Result<Option<Outbox>, String> {
+        let now = pipeline_links(serving);
+        let transport = match self.setup.transport {
+            TransportChoice::Auto => Transport::Auto,
+            TransportChoice::Shm => Transport::Shm,
+            TransportChoice::Grpc => Transport::Grpc,
+        };
+        let mut outbox = None;
+        for &(from, to) in &now {
+            let new_link = !self.links.contains(&(from, to));
+            let routes = match from {
+                Some(f) => {
+                    let i = serving.iter().position(|&s| s == f).unwrap();
+                    self.routes(&plan.stages[i].offloaded)
+                }
+                None => Vec::new(),
+            };
+            let routes_changed = from.is_some_and(|f| {
+                let old = self
+                    .wired
+                    .iter()
+                    .find(|(w, _)| *w == f)
+                    .map(|(_, o)| o.clone());
+                let i = serving.iter().position(|&s| s == f).unwrap();
+                old.as_ref() != Some(&plan.stages[i].offloaded)
+            });
+            if !new_link && !routes_changed {
+                continue;
+            }
+            let next = if new_link {
+                Some(match to {
+                    Some(t) => {
+                        let (id, addr) = self.addr(t);
+                        let ep = client(&addr)
+                            .await?
+                            .open_inbox(OpenInboxRequest {})
+                            .await
+                            .map_err(|s| {
+                                format!("worker {id} could not open an inbox: {}", s.message())
+                            })?
+                            .into_inner()
+                            .inbox
+                            .unwrap_or_default();
+                        self.workers[t].inbox = ep.clone();
+                        ep
+                    }
+                    None => {
+                        self.rings += 1;
+                        let name =
+                            format!("omni-coordinator-{}-{}", std::process::id(), self.rings);
+                        let mut inbox = self.results.lock().unwrap();
+                        if let Err(e) = inbox.add_ring(&self.setup.shm_dir, &name, 4 << 20) {
+                            tracing::warn!("no new results ring ({e}); results come over gRPC");
+                        }
+                        self.results_ep =
+                            inbox.endpoint(&self.setup.advertise, &omni_transport::host_id());
+                        self.results_ep.clone()
+                    }
+                })
+            } else {
+                None
+            };
+            match from {
+                Some(f) => {
+                    let (id, addr) = self.addr(f);
+                    let r = client(&addr)
+                        .await?
+                        .wire(WireRequest {
+                            next: next.clone(),
+                            transport: transport as i32,
+                            experts: routes,
+                        })
+                        .await
+                        .map_err(|s| format!("worker {id} could not be rewired: {}", s.message()))?
+                        .into_inner();
+                    let w = &mut self.workers[f];
+                    w.transport = r.transport;
+                    w.expert_transports = r.expert_transports;
+                    let i = serving.iter().position(|&s| s == f).unwrap();
+                    let off = plan.stages[i].offloaded.clone();
+                    match self.wired.iter_mut().find(|(w, _)| *w == f) {
+                        Some(x) => x.1 = off,
+                        None => self.wired.push((f, off)),
+                    }
+                    tracing::info!(
+                        "{id} now sends to {}",
+                        next.map_or_else(|| "the same stage".into(), |n| n.grpc_addr)
+                    );
+                }
+                None => {
+                    let ep = next.expect("a new link");
+                    outbox = Some(
+                        Outbox::connect(&ep, self.setup.transport)
+                            .await
+                            .map_err(|e| format!("cannot reach the new first stage: {e}"))?,
+                    );
+                }
+            }
+            if new_link {
+                self.links.retain(|l| l.0 != from && l.1 != to);
+                self.links.push((from, to));
+            }
+        }
+        Ok(outbox)
+    }
+
+    /// The expert routes of a stage with these offloaded layers.
+    fn routes(&self, offloaded: &[u32]) -> Vec<ExpertRoute> {
+        routes_for(offloaded, &self.plan, |id| {
+            self.expert_workers
+                .iter()
+                .find(|e| e.0.id == id)
+                .map(|e| e.0.addr.clone())
+                .unwrap_or_default()
+        })
+    }
+
+    /// Commits (or rolls back) every changed worker; a worker that cannot
+    /// is logged (it keeps what it has).
+    async fn finish(&self, changes: &[Change], commit: bool) {
+        for c in changes {
+            let (id, addr) = self.addr(c.worker);
+            let r = async {
+                client(&addr)
+                    .await?
+                    .finish(FinishRequest { commit })
+                    .await
+                    .map_err(|s| s.message().to_string())
+            }
+            .await;
+            if let Err(e) = r {
+                tracing::error!(
+                    "worker {id} could not {} the move: {e}",
+                    if commit { "commit" } else { "roll back" }
+                );
+            }
+        }
+    }
+}
+
+/// The expert routes of a stage whose `offloaded` layers' experts run on
+/// the expert workers `plan` gives them to.
+pub fn routes_for(
+    offloaded: &[u32],
+    plan: &Plan,
+    addr_of: impl Fn(&str) -> String,
+) -> Vec<ExpertRoute> {
+    let mut routes: Vec<ExpertRoute> = Vec::new();
+    for &il in offloaded {
+        let ep = plan
+            .experts
+            .iter()
+            .find(|e| e.layers.contains(&il))
+            .expect("every offloaded layer has an expert worker");
+        match routes.iter_mut().find(|r| r.worker_id == ep.worker) {
+            Some(r) => r.layers.push(il),
+            None => routes.push(ExpertRoute {
+                worker_id: ep.worker.clone(),
+                grpc_addr: addr_of(&ep.worker),
+                layers: vec![il],
+            }),
+        }
+    }
+    routes
+}
+
+/// Who sends to whom along `serving` (None: the coordinator).
+fn pipeline_links(serving: &[usize]) -> Vec<(Option<usize>, Option<usize>)> {
+    let mut v = Vec::new();
+    let mut prev = None;
+    for &w in serving {
+        v.push((prev, Some(w)));
+        prev = Some(w);
+    }
+    v.push((prev, None));
+    v
+}
+
+fn counts_of(p: &Plan) -> Vec<u32> {
+    p.stages
+        .iter()
+        .map(|s| s.range.layers.len() as u32)
+        .collect()
+}
+
+pub(crate) fn plan_reply(p: &Plan) -> Result<PlanReply, Status> {
+    Ok(PlanReply {
+        text: p.to_string(),
+        json: serde_json::to_string_pretty(p).map_err(|e| Status::internal(e.to_string()))?,
+    })
+}
+
+/// The layer counts after moving layers `moved` to stage `to`, given the
+/// serving stages' `ranges` (contiguous, in order) and their `ids`: `to`
+/// grows to cover `moved` (which must touch its range), every other stage
+/// gives up the part of `moved` it ran (which must be at its edge, and
+/// must not be all it runs).
+pub fn counts_for_move(
+    ranges: &[std::ops::Range<u32>],
+    ids: &[&str],
+    moved: std::ops::Range<u32>,
+    to: usize,
+) -> Result<Vec<u32>, String> {
+    let n_layer = ranges.last().map_or(0, |r| r.end);
+    if moved.is_empty() || moved.end > n_layer {
+        return Err(format!(
+            "layers {}-{} are not a layer range of this model (layers 0-{})",
+            moved.start,
+            moved.end.saturating_sub(1),
+            n_layer.saturating_sub(1)
+        ));
+    }
+    let show = |r: &std::ops::Range<u32>| format!("{}-{}", r.start, r.end.saturating_sub(1));
+    let t = &ranges[to];
+    if moved.end < t.start || moved.start > t.end {
+        return Err(format!(
+            "layers {} are not next to {}'s layers {}: a worker can take only layers adjacent to its own",
+            show(&moved),
+            ids[to],
+            show(t)
+        ));
+    }
+    let mut new: Vec<std::ops::Range<u32>> = Vec::new();
+    for (i, r) in ranges.iter().enumerate() {
+        if i == to {
+            new.push(r.start.min(moved.start)..r.end.max(moved.end));
+            continue;
+        }
+        let keep: Vec<u32> = r.clone().filter(|l| !moved.contains(l)).collect();
+        if keep.is_empty() {
+            return Err(format!(
+                "{} would keep none of its layers {}; drain it instead",
+                ids[i],
+                show(r)
+            ));
+        }
+        let kept = keep[0]..keep[keep.len() - 1] + 1;
+        if kept.len() != keep.len() {
+            return Err(format!(
+                "layers {} are inside {}'s layers {}, which would be cut in two",
+                show(&moved),
+                ids[i],
+                show(r)
+            ));
+        }
+        new.push(kept);
+    }
+    // The ranges must still tile the model in pipeline order.
+    let mut next = 0;
+    for (i, r) in new.iter().enumerate() {
+        if r.start != next {
+            return Err(format!(
+                "moving layers {} to {} would leave the pipeline out of order at {} (layers {}); move them in steps through the workers between",
+                show(&moved),
+                ids[to],
+                ids[i],
+                show(r)
+            ));
+        }
+        next = r.end;
+    }
+    Ok(new.iter().map(|r| r.len() as u32).collect())
+}
+
+async fn client(addr: &str) -> Result<WorkerClient<tonic::transport::Channel>, String> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach worker at {addr}: {e}"))?;
+    Ok(WorkerClient::new(ch)
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counts_for_move;
+
+    const IDS: [&str; 3] = ["w0", "w1", "w2"];
+
+    #[test]
+    fn a_move_grows_the_taker_and_shrinks_the_givers() {
+        let r = [0..4, 4..8, 8..12];
+        assert_eq!(counts_for_move(&r, &IDS, 8..10, 1), Ok(vec![4, 6, 2]));
+        assert_eq!(counts_for_move(&r, &IDS, 2..4, 1), Ok(vec![2, 6, 4]));
+        assert_eq!(counts_for_move(&r, &IDS, 4..6, 0), Ok(vec![6, 2, 4]));
+        // Already there: nothing changes.
+        assert_eq!(counts_for_move(&r, &IDS, 5..7, 1), Ok(vec![4, 4, 4]));
+    }
+
+    #[test]
+    fn impossible_moves_say_why() {
+        let r = [0..4, 4..8, 8..12];
+        let e = |m, t| counts_for_move(&r, &IDS, m, t).unwrap_err();
+        assert!(e(9..11, 0).contains("not next to w0"), "{}", e(9..11, 0));
+        assert!(e(4..8, 0).contains("w1 would keep none"), "{}", e(4..8, 0));
+        assert!(e(5..6, 0).contains("not next to"), "{}", e(5..6, 0));
+        assert!(e(9..10, 1).contains("not next to w1"), "{}", e(9..10, 1));
+        assert!(
+            e(10..14, 1).contains("not a layer range"),
+            "{}",
+            e(10..14, 1)
+        );
+    }
+}
