@@ -542,7 +542,7 @@ impl Live {
     /// Switches every changed worker, streaming each the KV cache of the
     /// layers it takes from the workers that ran them. Returns the bytes.
     async fn hand_over(&self, changes: &[Change]) -> Result<u64, String> {
-        let mut total = 0;
+        let mut switches = tokio::task::JoinSet::new();
         for c in changes {
             let header = SwitchHeader {
                 embed: c.new.as_ref().is_some_and(|n| n.0.embed),
@@ -574,8 +574,6 @@ impl Live {
                 }
             }
             let (id, addr) = self.addr(c.worker);
-            let mut cl = client(&addr).await?;
-            let (tx, rx) = tokio::sync::mpsc::channel::<StateChunk>(8);
             let givers: Vec<(String, String, std::ops::Range<u32>)> = sources
                 .iter()
                 .map(|(g, r)| {
@@ -583,55 +581,22 @@ impl Live {
                     (gid, gaddr, r.clone())
                 })
                 .collect();
-            // Exports flow straight into the switch, a piece at a time.
-            let pump = tokio::spawn(async move {
-                use tokio_stream::StreamExt;
-                tx.send(StateChunk {
-                    header: Some(header),
-                    ..Default::default()
-                })
-                .await
-                .map_err(|_| "the switch call ended early".to_string())?;
-                for (gid, gaddr, r) in givers {
-                    let mut g = client(&gaddr).await?;
-                    let mut s = g
-                        .export_state(ExportStateRequest {
-                            layer_start: r.start,
-                            layer_end: r.end,
-                        })
-                        .await
-                        .map_err(|s| {
-                            format!(
-                                "worker {gid} could not export layers {r:?}: {}",
-                                s.message()
-                            )
-                        })?
-                        .into_inner();
-                    while let Some(chunk) = s.next().await {
-                        let chunk = chunk.map_err(|s| {
-                            format!(
-                                "worker {gid}'s export of layers {r:?} broke: {}",
-                                s.message()
-                            )
-                        })?;
-                        tx.send(chunk)
-                            .await
-                            .map_err(|_| "the switch call ended early".to_string())?;
-                    }
-                }
-                Ok::<(), String>(())
-            });
-            let switched = cl
-                .switch(tokio_stream::wrappers::ReceiverStream::new(rx))
-                .await;
-            let pumped = pump.await.map_err(|e| e.to_string()).and_then(|r| r);
-            pumped?;
-            let r = switched
-                .map_err(|s| format!("worker {id} could not switch: {}", s.message()))?
-                .into_inner();
-            total += r.kv_bytes_in;
+            // Every worker switches at once: exports come from the stages
+            // that ran before the switch, which stay until commit.
+            switches.spawn(switch_one(id, addr, header, givers));
         }
-        Ok(total)
+        let mut total = 0;
+        let mut failed = None;
+        while let Some(r) = switches.join_next().await {
+            match r.map_err(|e| e.to_string()).and_then(|r| r) {
+                Ok(n) => total += n,
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(total),
+        }
     }
 
     /// Wires the pipeline `serving` (with `plan`'s expert routes): a worker
@@ -778,6 +743,66 @@ impl Live {
     }
 }
 
+/// Switches worker `id` at `addr` as `header` says, streaming it the
+/// exports of `givers` (id, address, layers) piece by piece as they come.
+/// Returns the KV bytes it took in.
+async fn switch_one(
+    id: String,
+    addr: String,
+    header: SwitchHeader,
+    givers: Vec<(String, String, std::ops::Range<u32>)>,
+) -> Result<u64, String> {
+    let mut cl = client(&addr).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<StateChunk>(8);
+    // Exports flow straight into the switch, a piece at a time.
+    let pump = tokio::spawn(async move {
+        use tokio_stream::StreamExt;
+        tx.send(StateChunk {
+            header: Some(header),
+            ..Default::default()
+        })
+        .await
+        .map_err(|_| "the switch call ended early".to_string())?;
+        for (gid, gaddr, r) in givers {
+            let mut g = client(&gaddr).await?;
+            let mut s = g
+                .export_state(ExportStateRequest {
+                    layer_start: r.start,
+                    layer_end: r.end,
+                })
+                .await
+                .map_err(|s| {
+                    format!(
+                        "worker {gid} could not export layers {r:?}: {}",
+                        s.message()
+                    )
+                })?
+                .into_inner();
+            while let Some(chunk) = s.next().await {
+                let chunk = chunk.map_err(|s| {
+                    format!(
+                        "worker {gid}'s export of layers {r:?} broke: {}",
+                        s.message()
+                    )
+                })?;
+                tx.send(chunk)
+                    .await
+                    .map_err(|_| "the switch call ended early".to_string())?;
+            }
+        }
+        Ok::<(), String>(())
+    });
+    let switched = cl
+        .switch(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await;
+    let pumped = pump.await.map_err(|e| e.to_string()).and_then(|r| r);
+    pumped?;
+    let r = switched
+        .map_err(|s| format!("worker {id} could not switch: {}", s.message()))?
+        .into_inner();
+    Ok(r.kv_bytes_in)
+}
+
 /// The expert routes of a stage whose `offloaded` layers' experts run on
 /// the expert workers `plan` gives them to.
 pub fn routes_for(
@@ -906,6 +931,7 @@ async fn client(addr: &str) -> Result<WorkerClient<tonic::transport::Channel>, S
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
         .connect()
         .await
         .map_err(|e| format!("cannot reach worker at {addr}: {e}"))?;

@@ -518,12 +518,14 @@ impl Worker {
             (exec, new, st.range.clone())
         };
         let range = new.as_ref().map(|s| s.range().clone());
+        let t = Instant::now();
         exec.switch(new, h.stage, incoming, seqs).map_err(bad)?;
+        let took = t.elapsed().as_secs_f64() * 1e3;
         let mut st = self.state.lock().unwrap();
         st.range_before = Some(before);
         st.range = range.clone();
         match range {
-            Some(r) => tracing::info!("switched to {r}"),
+            Some(r) => tracing::info!("switched to {r} ({took:.1} ms on the stage thread)"),
             None => tracing::info!("drained: this worker runs no layers now"),
         }
         Ok(())

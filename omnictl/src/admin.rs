@@ -143,7 +143,7 @@ fn print_move(r: &MoveReply, json: bool) -> anyhow::Result<()> {
 }
 
 /// A client for moves, which may take as long as loading layers does.
-async fn move_client(a: &AdminArgs) -> anyhow::Result<Client> {
+pub(crate) async fn move_client(a: &AdminArgs) -> anyhow::Result<Client> {
     client_with_timeout(a, Duration::from_secs(3600)).await
 }
 

@@ -320,7 +320,7 @@ async fn decode_rate(addr: &str, prompt: &[u32], tg: usize) -> anyhow::Result<f6
     Ok((n - 1) as f64 / (last - first).as_secs_f64().max(1e-9))
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())

@@ -6,6 +6,7 @@
 mod admin;
 mod bench;
 mod bench_cluster;
+mod bench_move;
 mod fetch;
 mod generate;
 mod plan;
@@ -43,6 +44,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Decode speed through local clusters (1 stage, 2 over shm, 2 over gRPC) beside llama.cpp.
     BenchCluster(bench_cluster::BenchClusterArgs),
+    /// What a live move of one layer costs (total, pipeline pause) beside a restart.
+    BenchMove(bench_move::BenchMoveArgs),
     /// Show how a model would be split across devices, and why (nothing is loaded).
     Plan(plan::PlanArgs),
     /// Start a local cluster (a coordinator and N workers) and supervise it.
@@ -69,6 +72,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::BenchCluster(args) => bench_cluster::run(args),
+        Command::BenchMove(args) => bench_move::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Up(args) => up::run(args),
         Command::Workers(args) => admin::workers(&args),
