@@ -419,7 +419,7 @@ impl Live {
             prepares.push((
                 c.worker,
                 tokio::spawn(async move {
-                    let mut cl = client(&addr).await?;
+                    let mut cl = client(&addr, PREPARE_TIMEOUT).await?;
                     cl.prepare(req).await.map(|r| r.into_inner()).map_err(|s| {
                         format!("worker {id} could not load its new range: {}", s.message())
                     })
@@ -636,7 +636,7 @@ impl Live {
                 Some(match to {
                     Some(t) => {
                         let (id, addr) = self.addr(t);
-                        let ep = client(&addr)
+                        let ep = client(&addr, CALL_TIMEOUT)
                             .await?
                             .open_inbox(OpenInboxRequest {})
                             .await
@@ -668,7 +668,7 @@ impl Live {
             match from {
                 Some(f) => {
                     let (id, addr) = self.addr(f);
-                    let r = client(&addr)
+                    let r = client(&addr, CALL_TIMEOUT)
                         .await?
                         .wire(WireRequest {
                             next: next.clone(),
@@ -726,7 +726,7 @@ impl Live {
         for c in changes {
             let (id, addr) = self.addr(c.worker);
             let r = async {
-                client(&addr)
+                client(&addr, CALL_TIMEOUT)
                     .await?
                     .finish(FinishRequest { commit })
                     .await
@@ -752,7 +752,7 @@ async fn switch_one(
     header: SwitchHeader,
     givers: Vec<(String, String, std::ops::Range<u32>)>,
 ) -> Result<u64, String> {
-    let mut cl = client(&addr).await?;
+    let mut cl = client(&addr, CALL_TIMEOUT).await?;
     let (tx, rx) = tokio::sync::mpsc::channel::<StateChunk>(8);
     // Exports flow straight into the switch, a piece at a time.
     let pump = tokio::spawn(async move {
@@ -764,7 +764,7 @@ async fn switch_one(
         .await
         .map_err(|_| "the switch call ended early".to_string())?;
         for (gid, gaddr, r) in givers {
-            let mut g = client(&gaddr).await?;
+            let mut g = client(&gaddr, CALL_TIMEOUT).await?;
             let mut s = g
                 .export_state(ExportStateRequest {
                     layer_start: r.start,
@@ -927,10 +927,21 @@ pub fn counts_for_move(
     Ok(new.iter().map(|r| r.len() as u32).collect())
 }
 
-async fn client(addr: &str) -> Result<WorkerClient<tonic::transport::Channel>, String> {
+/// How long a worker may take to load its new range (a DeepSeek-sized
+/// range is many GiB read from disk).
+const PREPARE_TIMEOUT: Duration = Duration::from_secs(1800);
+/// Every other call of a move (export, switch, commit, rewiring).
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A client of the worker at `addr` whose calls fail after `timeout`.
+async fn client(
+    addr: &str,
+    timeout: Duration,
+) -> Result<WorkerClient<tonic::transport::Channel>, String> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|e| e.to_string())?
         .connect_timeout(Duration::from_secs(5))
+        .timeout(timeout)
         .tcp_nodelay(true)
         .connect()
         .await

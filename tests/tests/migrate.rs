@@ -453,3 +453,61 @@ fn worker_memory(ws: &[Value]) -> std::collections::HashMap<String, u64> {
         })
         .collect()
 }
+
+#[test]
+fn moe_layers_move_with_their_routes_to_the_expert_worker() {
+    let _g = serial();
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.cpu_workers = 1;
+    spec.coordinator_args = [
+        "--admin-token",
+        TOKEN,
+        "--experts",
+        "cpu",
+        "--micro-batches",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec();
+    let model = omni_tests::fixtures::fixtures_dir().join("synthetic/tiny-deepseek2-mla-q8_0.gguf");
+    let c = Cluster::start(&model, &spec);
+    // Layer 0 is dense, 1-3 are MoE with their routed experts on c0:
+    // w0 runs 0-1 (sends layer 1's experts to c0), w1 runs 2-3.
+    let offloaded = |c: &Cluster| -> Vec<String> {
+        c.info()
+            .unwrap()
+            .stages
+            .iter()
+            .map(|s| s.offloaded.clone())
+            .collect()
+    };
+    assert_eq!(offloaded(&c), ["1", "2-3"]);
+    const N: usize = 800;
+    let reqs = vec![greedy(&[1, 17, 42, 99, 5], N), greedy(&[1, 3, 3, 7], N)];
+    let alone: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| ids(&c.generate(r.clone()).unwrap()))
+        .collect();
+    let streams = start_streams(&c, reqs);
+    streams.wait_for(4);
+    // Layer 1 to w1, which now calls c0 for it; then layers 1-2 to w0.
+    move_ok(&c, &["rebalance", "--layers", "1", "--to", "w1"]);
+    assert_eq!(offloaded(&c), ["none", "1-3"]);
+    move_ok(&c, &["rebalance", "--layers", "1-2", "--to", "w0"]);
+    assert_eq!(offloaded(&c), ["1-2", "3"]);
+    let at_last_move = streams.progress.load(Ordering::Relaxed);
+    let results = streams.handle.join().unwrap();
+    assert!(at_last_move < 2 * N, "the moves ended after the streams");
+    for (i, (r, want)) in results.iter().zip(&alone).enumerate() {
+        let got = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
+        assert_eq!(got, want, "stream {i}'s tokens changed across the moves");
+    }
+    let info = c.info().unwrap();
+    assert!(
+        info.stages.iter().all(|s| s.expert_transports == ["shm"]),
+        "{:?}",
+        info.stages
+    );
+}
