@@ -103,27 +103,10 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
     for (name, stages, transport, cpu_workers) in configs {
         let listen = format!("127.0.0.1:{}", free_port()?);
         let up = UpArgs {
-            model: a.model.clone(),
-            stages,
-            transport: transport.into(),
-            listen: listen.clone(),
-            ctx: 1024,
-            seqs: 1,
-            threads: Some(threads),
-            memory: None,
-            split: None,
-            layers: None,
-            metrics: None,
-            port: 0,
-            api_key: None,
-            otlp_endpoint: None,
-            register_timeout: 60.0,
             cpu_workers,
-            numa: false,
             experts: (cpu_workers > 0).then(|| "cpu".into()),
-            gpu_experts: None,
-            cpu_memory: None,
             admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+            ..UpArgs::bench(&a.model, stages, transport, &listen, threads)
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
         let result = (|| {

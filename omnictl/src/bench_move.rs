@@ -55,27 +55,10 @@ pub fn run(a: BenchMoveArgs) -> anyhow::Result<()> {
     // The children read the token from their environment (never argv).
     std::env::set_var("OMNI_ADMIN_TOKEN", &token);
     let up = UpArgs {
-        model: a.model.clone(),
-        stages: a.stages,
-        transport: a.transport.clone(),
-        listen: listen.clone(),
         ctx: a.ctx,
         seqs: a.seqs,
-        threads: Some(threads),
-        memory: None,
-        split: None,
-        layers: None,
-        metrics: None,
-        port: 0,
-        api_key: None,
-        otlp_endpoint: None,
-        register_timeout: 60.0,
-        cpu_workers: 0,
-        numa: false,
-        experts: None,
-        gpu_experts: None,
-        cpu_memory: None,
         admin_listen: Some(admin.clone()),
+        ..UpArgs::bench(&a.model, a.stages, &a.transport, &listen, threads)
     };
     let t = Instant::now();
     let mut cluster = LocalCluster::start(&up, &path, threads, true)?;

@@ -98,6 +98,42 @@ pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     )
 }
 
+impl UpArgs {
+    /// A quiet local cluster for benchmarks: `stages` workers over
+    /// `transport`, listening on `listen`, no router, defaults elsewhere.
+    pub fn bench(
+        model: &str,
+        stages: usize,
+        transport: &str,
+        listen: &str,
+        threads: usize,
+    ) -> UpArgs {
+        UpArgs {
+            model: model.to_string(),
+            stages,
+            transport: transport.into(),
+            listen: listen.to_string(),
+            ctx: 1024,
+            seqs: 1,
+            threads: Some(threads),
+            memory: None,
+            split: None,
+            layers: None,
+            metrics: None,
+            port: 0,
+            api_key: None,
+            otlp_endpoint: None,
+            register_timeout: 60.0,
+            cpu_workers: 0,
+            numa: false,
+            experts: None,
+            gpu_experts: None,
+            cpu_memory: None,
+            admin_listen: None,
+        }
+    }
+}
+
 /// OpenMP spin count for local workers (see `LocalCluster::start`).
 pub const WORKER_SPINCOUNT: &str = "10000";
 

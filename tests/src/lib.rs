@@ -354,6 +354,20 @@ impl Cluster {
     }
 }
 
+/// The first `n` of a fixture's short prompts (under 100 tokens: the long
+/// prose passage adds minutes on two cores and nothing the short ones
+/// don't test).
+pub fn short_prompts(fixture: &str, n: usize) -> Vec<Vec<u32>> {
+    fixtures::json(fixture)["prompts"]
+        .as_array()
+        .expect("the fixture has prompts")
+        .iter()
+        .map(|p| fixtures::ids(&p["prompt_ids"]))
+        .filter(|p| p.len() < 100)
+        .take(n)
+        .collect()
+}
+
 /// A greedy request for `prompt` that runs `max_tokens` steps (end-of-text
 /// tokens do not stop it, as in llama.cpp's references).
 pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {

@@ -11,7 +11,7 @@
 use omni_engine::{Engine, GenerateOptions, StageConfig};
 use omni_proto::coordinator::v1::{generate_request::Prompt, GenerateRequest};
 use omni_tests::fixtures::{fixtures_dir, json, model, GEMMA, QWEN};
-use omni_tests::{greedy, ids, Cluster, ClusterSpec};
+use omni_tests::{greedy, ids, short_prompts, Cluster, ClusterSpec};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -24,19 +24,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 const N_GEN: usize = 16;
-
-/// Fixture prompts (the short ones: the long prose passage adds minutes on
-/// two cores and nothing the short ones don't test).
-fn prompts(fixture: &str, n: usize) -> Vec<Vec<u32>> {
-    json(fixture)["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| omni_tests::fixtures::ids(&p["prompt_ids"]))
-        .filter(|p| p.len() < 100)
-        .take(n)
-        .collect()
-}
 
 /// The single-process engine's greedy tokens for each prompt.
 fn reference(model_file: &str, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
@@ -61,7 +48,7 @@ fn reference(model_file: &str, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
 }
 
 fn check_cluster_matches_engine(model_file: &str, fixture: &str) {
-    let prompts = prompts(fixture, 3);
+    let prompts = short_prompts(fixture, 3);
     let want = reference(model_file, &prompts);
     let _g = serial();
     for transport in ["shm", "grpc"] {
@@ -150,15 +137,7 @@ fn text_prompt_gives_llama_cpp_tokens() {
 fn eight_concurrent_requests_match_solo() {
     const DRIFT: f32 = 2.0;
     const NEAR_TIE: f32 = 1.0;
-    let fx = json("real_gemma3_270m.json");
-    let prompts: Vec<Vec<u32>> = fx["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| omni_tests::fixtures::ids(&p["prompt_ids"]))
-        .filter(|p| p.len() < 100)
-        .take(8)
-        .collect();
+    let prompts = short_prompts("real_gemma3_270m.json", 8);
     assert_eq!(prompts.len(), 8);
     let _g = serial();
     let mut spec = ClusterSpec::new(2, "shm");
@@ -291,7 +270,7 @@ fn worker_that_never_registers_is_reported() {
 fn worker_dying_mid_request_ends_the_stream_with_a_clear_error() {
     let _g = serial();
     let mut c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
-    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let (msg, after) =
         c.kill_mid_stream(greedy(&prompt, 900), |c| c.workers[1].kill9(), "w1", BOUND);
     eprintln!(
@@ -307,7 +286,7 @@ fn cancelling_a_request_frees_its_kv_cache_on_every_worker() {
     let _g = serial();
     let c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
     let used = || c.kv_cells_used();
-    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let mut client = c.client().unwrap();
     c.rt.block_on(async {
         use tokio_stream::StreamExt;
@@ -377,7 +356,7 @@ fn omnictl_up_serves_and_stops_cleanly_on_ctrl_c() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let ids_arg: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = std::process::Command::new(omni_tests::target_bin("omnictl"))
         .args([
@@ -465,7 +444,7 @@ fn metrics_show_tokens_step_times_and_bytes_per_transport() {
         vec!["--metrics-listen".into(), w1m.clone()],
     ];
     let c = Cluster::start(&model(GEMMA), &spec);
-    let prompt = prompts("real_gemma3_270m.json", 1).remove(0);
+    let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     c.generate(greedy(&prompt, 8)).unwrap();
     let coord = http_get(&cm, "/metrics");
     assert!(

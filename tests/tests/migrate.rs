@@ -18,7 +18,7 @@
 
 use omni_proto::coordinator::v1::GenerateRequest;
 use omni_proto::worker::v1::Sampling;
-use omni_tests::fixtures::{json, model, GEMMA};
+use omni_tests::fixtures::{model, GEMMA};
 use omni_tests::{greedy, ids, target_bin, Cluster, ClusterSpec};
 use serde_json::Value;
 use std::process::Command;
@@ -36,14 +36,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn prompts(n: usize) -> Vec<Vec<u32>> {
-    json("real_gemma3_270m.json")["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| omni_tests::fixtures::ids(&p["prompt_ids"]))
-        .filter(|p| p.len() < 100)
-        .take(n)
-        .collect()
+    omni_tests::short_prompts("real_gemma3_270m.json", n)
 }
 
 /// 3 workers over shared memory (layers 7,5,6), one micro-batch group per
@@ -187,6 +180,17 @@ impl Streams {
     }
 }
 
+/// Every stream finished without an error and with the tokens it got alone.
+fn same_tokens(results: &[Result<Vec<u32>, String>], alone: &[Vec<u32>], across: &str) {
+    assert_eq!(results.len(), alone.len());
+    for (i, (r, want)) in results.iter().zip(alone).enumerate() {
+        let got = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
+        assert_eq!(got, want, "stream {i}'s tokens changed across {across}");
+    }
+}
+
 fn seeded(prompt: &[u32]) -> GenerateRequest {
     GenerateRequest {
         sampling: Some(Sampling {
@@ -260,12 +264,7 @@ fn layers_move_forward_and_back_under_four_streams_without_changing_a_token() {
         at_last_move < 4 * N_GEN,
         "the moves ended after the streams ({at_last_move} tokens)"
     );
-    for (i, (r, want)) in results.iter().zip(&alone).enumerate() {
-        let got = r
-            .as_ref()
-            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
-        assert_eq!(got, want, "stream {i}'s tokens changed across the moves");
-    }
+    same_tokens(&results, &alone, "the moves");
     // The plan is what was asked: w0 back to its start, w1 one layer fewer...
     let want = vec![
         ("w0".to_string(), start[0].1 + 2),
@@ -336,12 +335,7 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     let at_drain = streams.progress.load(Ordering::Relaxed);
     let results = streams.handle.join().unwrap();
     assert!(at_drain < 4 * N_GEN, "the drain ended after the streams");
-    for (i, (r, want)) in results.iter().zip(&alone).enumerate() {
-        let got = r
-            .as_ref()
-            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
-        assert_eq!(got, want, "stream {i}'s tokens changed across the drain");
-    }
+    same_tokens(&results, &alone, "the drain");
     let info = c.info().unwrap();
     assert_eq!(info.stages.len(), 2, "{:?}", info.stages);
 
@@ -364,12 +358,7 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
         ["w0", "w1", "w2"]
     );
     let results = streams.handle.join().unwrap();
-    for (i, (r, want)) in results.iter().zip(&alone).enumerate() {
-        let got = r
-            .as_ref()
-            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
-        assert_eq!(got, want, "stream {i}'s tokens changed across drains");
-    }
+    same_tokens(&results, &alone, "drains");
     let ws = workers(&c);
     assert!(ws.iter().all(|w| w["health"] == "serving"), "{ws:?}");
     let (ok, _, err) = omnictl(&c, &["undrain", "w0"]);
@@ -498,12 +487,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
     let at_last_move = streams.progress.load(Ordering::Relaxed);
     let results = streams.handle.join().unwrap();
     assert!(at_last_move < 2 * N, "the moves ended after the streams");
-    for (i, (r, want)) in results.iter().zip(&alone).enumerate() {
-        let got = r
-            .as_ref()
-            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
-        assert_eq!(got, want, "stream {i}'s tokens changed across the moves");
-    }
+    same_tokens(&results, &alone, "the moves");
     let info = c.info().unwrap();
     assert!(
         info.stages.iter().all(|s| s.expert_transports == ["shm"]),
