@@ -78,6 +78,15 @@ impl AdminState {
         }
     }
 
+    /// Whether `worker` is registered but out of the pipeline.
+    pub fn is_drained(&self, worker: &str) -> bool {
+        self.view.lock().unwrap().as_ref().is_some_and(|v| {
+            v.placements
+                .iter()
+                .any(|p| p.drained && p.worker.id == worker)
+        })
+    }
+
     pub fn set_info(&self, info: Arc<Mutex<InfoReply>>) {
         *self.info.lock().unwrap() = Some(info);
     }

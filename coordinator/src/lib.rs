@@ -619,6 +619,13 @@ async fn watch_worker(
         };
         misses += 1;
         if misses >= 2 {
+            if admin.is_drained(&w.id) {
+                // Out of the pipeline: serving goes on without it (a
+                // drained worker is one an operator may stop).
+                tracing::warn!("drained worker {} is gone: {why}", w.id);
+                admin.set_health(&w.id, format!("lost (drained): {why}"));
+                return;
+            }
             admin.set_health(&w.id, format!("lost: {why}"));
             let _ = events.send(Event::WorkerLost {
                 worker: format!("{} ({})", w.id, w.addr),

@@ -197,7 +197,11 @@ impl Live {
                     kv_bytes: w.stage_bytes.1,
                     compute_bytes: w.stage_bytes.2,
                     worker_addr: w.reg.addr.clone(),
-                    offloaded: plan::fmt_layers(&st.offloaded),
+                    offloaded: if st.offloaded.is_empty() {
+                        String::new()
+                    } else {
+                        plan::fmt_layers(&st.offloaded)
+                    },
                     expert_transports: w.expert_transports.clone(),
                 }
             })

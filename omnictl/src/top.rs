@@ -108,7 +108,9 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
         };
         rows.push(vec![
             w.id.clone(),
-            if stage {
+            if w.drained {
+                "drained".into()
+            } else if stage {
                 format!("stage {}", w.stage)
             } else {
                 "experts".into()
@@ -121,7 +123,7 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
                 format!("experts of {}", w.layers)
             },
             rate,
-            if stage {
+            if stage && !w.drained {
                 format!("{:.2}", w.last_step_ms)
             } else {
                 "-".into()

@@ -363,6 +363,19 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     assert!(ws.iter().all(|w| w["health"] == "serving"), "{ws:?}");
     let (ok, _, err) = omnictl(&c, &["undrain", "w0"]);
     assert!(!ok && err.contains("not drained"), "{err}");
+    // A drained worker can be stopped: the cluster serves on without it.
+    move_ok(&c, &["drain", "w1"]);
+    let mut c = c;
+    c.workers[1].kill9();
+    std::thread::sleep(Duration::from_secs(3));
+    let again = ids(&c.generate(reqs[0].clone()).unwrap());
+    assert_eq!(again, alone[0]);
+    let ws = workers(&c);
+    let h = worker(&ws, "w1")["health"].as_str().unwrap().to_string();
+    assert!(h.starts_with("lost (drained)"), "{h}");
+    let (ok, _, err) = omnictl(&c, &["undrain", "w1"]);
+    assert!(!ok && err.contains("nothing changed"), "{err}");
+    assert_eq!(ids(&c.generate(reqs[1].clone()).unwrap()), alone[1]);
 }
 
 #[test]
@@ -481,7 +494,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
     streams.wait_for(4);
     // Layer 1 to w1, which now calls c0 for it; then layers 1-2 to w0.
     move_ok(&c, &["rebalance", "--layers", "1", "--to", "w1"]);
-    assert_eq!(offloaded(&c), ["none", "1-3"]);
+    assert_eq!(offloaded(&c), ["", "1-3"]);
     move_ok(&c, &["rebalance", "--layers", "1-2", "--to", "w0"]);
     assert_eq!(offloaded(&c), ["1-2", "3"]);
     let at_last_move = streams.progress.load(Ordering::Relaxed);
