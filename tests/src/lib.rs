@@ -446,9 +446,15 @@ pub fn http(
     }
     req.push_str("\r\n");
     s.write_all(req.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
+    // A server may answer (413, say) and close before the whole body is
+    // sent: the answer is still there to read.
+    let sent = s.write_all(body);
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
+    let read = s.read_to_end(&mut raw);
+    if raw.is_empty() {
+        sent.unwrap();
+        read.unwrap();
+    }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
