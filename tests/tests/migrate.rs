@@ -468,13 +468,16 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
         "cpu",
         "--micro-batches",
         "2",
+        "--layers",
+        "2,2",
     ]
     .map(String::from)
     .to_vec();
     let model = omni_tests::fixtures::fixtures_dir().join("synthetic/tiny-deepseek2-mla-q8_0.gguf");
     let c = Cluster::start(&model, &spec);
     // Layer 0 is dense, 1-3 are MoE with their routed experts on c0:
-    // w0 runs 0-1 (sends layer 1's experts to c0), w1 runs 2-3.
+    // w0 runs 0-1 (sends layer 1's experts to c0), w1 runs 2-3 (the split
+    // is given: the automatic one follows the memory each worker found free).
     let offloaded = |c: &Cluster| -> Vec<String> {
         c.info()
             .unwrap()
