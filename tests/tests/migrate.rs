@@ -303,11 +303,23 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     let _g = serial();
     let c = cluster(Vec::new());
     let ps = prompts(4);
-    // Three greedy streams and one sampled with a seed: the head moves
-    // when w2 drains, and its sampler (random stream, penalty history)
-    // with it.
-    let mut reqs: Vec<GenerateRequest> = ps[..3].iter().map(|p| greedy(p, N_GEN)).collect();
-    reqs.push(seeded(&ps[3]));
+    // First a stream sampled with a seed, alone (so its KV cells lie as
+    // in its run without moves: other sequences' cells change how many
+    // cells a step attends over, and so the last bits of its logits):
+    // the head moves to w1 and back, and with it the sampler (random
+    // stream, penalty history).
+    let sampled = seeded(&ps[3]);
+    let want = ids(&c.generate(sampled.clone()).unwrap());
+    let stream = start_streams(&c, vec![sampled]);
+    stream.wait_for(8);
+    move_ok(&c, &["drain", "w2"]);
+    move_ok(&c, &["undrain", "w2"]);
+    let at_move = stream.progress.load(Ordering::Relaxed);
+    same_tokens(&stream.handle.join().unwrap(), &[want], "the head's moves");
+    assert!(at_move < N_GEN, "the moves ended after the stream");
+
+    // Then four greedy streams.
+    let reqs: Vec<GenerateRequest> = ps.iter().map(|p| greedy(p, N_GEN)).collect();
     let alone: Vec<Vec<u32>> = reqs
         .iter()
         .map(|r| ids(&c.generate(r.clone()).unwrap()))
