@@ -445,11 +445,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     }
     let inbox = Arc::new(Mutex::new(inbox));
     let results_ep = inbox.lock().unwrap().endpoint(&advertise, &host_id);
-    let transport = match cfg.transport {
-        TransportChoice::Auto => Transport::Auto,
-        TransportChoice::Shm => Transport::Shm,
-        TransportChoice::Grpc => Transport::Grpc,
-    };
+    let transport = Transport::from(cfg.transport);
     let mut live_workers = Vec::new();
     for (i, w) in workers.iter().enumerate() {
         let next: Endpoint = match replies.get(i + 1) {
@@ -496,7 +492,6 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         live_workers.push(migrate::LiveWorker {
             reg: w.clone(),
             spec: spec(w),
-            inbox: lr.inbox.clone().unwrap_or_default(),
             stage_bytes: (lr.weight_bytes, lr.kv_bytes, lr.compute_bytes),
             transport: r.transport,
             expert_transports: r.expert_transports,
@@ -547,7 +542,6 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             .collect(),
         plan.clone(),
         inbox.clone(),
-        results_ep,
     );
     let stages = live.stage_infos();
     shared.admin.set_live(live);

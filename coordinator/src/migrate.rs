@@ -28,8 +28,8 @@ use omni_engine::{fmt_bytes, ModelFile};
 use omni_proto::admin::v1::{MoveReply, PlanReply};
 use omni_proto::coordinator::v1::{ExpertWorkerInfo, StageInfo};
 use omni_proto::worker::v1::{
-    worker_client::WorkerClient, Endpoint, ExpertRoute, ExportStateRequest, FinishRequest,
-    OpenInboxRequest, PrepareRequest, StateChunk, SwitchHeader, Transport, WireRequest,
+    worker_client::WorkerClient, ExpertRoute, ExportStateRequest, FinishRequest, OpenInboxRequest,
+    PrepareRequest, StateChunk, SwitchHeader, Transport, WireRequest,
 };
 use omni_transport::{Inbox, Outbox, TransportChoice};
 use std::sync::{Arc, Mutex};
@@ -40,8 +40,6 @@ use tonic::Status;
 pub struct LiveWorker {
     pub reg: Registered,
     pub spec: WorkerSpec,
-    /// Where its input goes now.
-    pub inbox: Endpoint,
     /// Bytes of its stage (weights, KV cache, compute), as it reported them.
     pub stage_bytes: (u64, u64, u64),
     /// How its output and expert calls travel ("shm"/"grpc").
@@ -73,7 +71,6 @@ pub struct Live {
     pub plan: Plan,
     /// The coordinator's results inbox (the last stage sends to it).
     pub results: Arc<Mutex<Inbox>>,
-    pub results_ep: Endpoint,
     rings: u32,
     /// The pipeline's links as wired now: (sender, receiver), None being
     /// the coordinator.
@@ -98,7 +95,6 @@ impl Live {
         expert_workers: Vec<(Registered, WorkerSpec, ExpertWorkerInfo)>,
         plan: Plan,
         results: Arc<Mutex<Inbox>>,
-        results_ep: Endpoint,
     ) -> Live {
         let serving: Vec<usize> = (0..workers.len()).collect();
         let links = pipeline_links(&serving);
@@ -115,7 +111,6 @@ impl Live {
             serving,
             plan,
             results,
-            results_ep,
             rings: 0,
         }
     }
@@ -609,29 +604,20 @@ impl Live {
     /// the scheduler's new outbox when the first stage changed.
     async fn rewire(&mut self, serving: &[usize], plan: &Plan) -> Result<Option<Outbox>, String> {
         let now = pipeline_links(serving);
-        let transport = match self.setup.transport {
-            TransportChoice::Auto => Transport::Auto,
-            TransportChoice::Shm => Transport::Shm,
-            TransportChoice::Grpc => Transport::Grpc,
-        };
+        let transport = Transport::from(self.setup.transport);
         let mut outbox = None;
         for &(from, to) in &now {
             let new_link = !self.links.contains(&(from, to));
-            let routes = match from {
-                Some(f) => {
-                    let i = serving.iter().position(|&s| s == f).unwrap();
-                    self.routes(&plan.stages[i].offloaded)
-                }
-                None => Vec::new(),
-            };
-            let routes_changed = from.is_some_and(|f| {
-                let old = self
-                    .wired
+            // The sender's offloaded layers in the new plan.
+            let offloaded = from.map(|f| {
+                let i = serving
                     .iter()
-                    .find(|(w, _)| *w == f)
-                    .map(|(_, o)| o.clone());
-                let i = serving.iter().position(|&s| s == f).unwrap();
-                old.as_ref() != Some(&plan.stages[i].offloaded)
+                    .position(|&s| s == f)
+                    .expect("a serving sender");
+                plan.stages[i].offloaded.clone()
+            });
+            let routes_changed = from.is_some_and(|f| {
+                self.wired.iter().find(|(w, _)| *w == f).map(|x| &x.1) != offloaded.as_ref()
             });
             if !new_link && !routes_changed {
                 continue;
@@ -650,7 +636,6 @@ impl Live {
                             .into_inner()
                             .inbox
                             .unwrap_or_default();
-                        self.workers[t].inbox = ep.clone();
                         ep
                     }
                     None => {
@@ -661,9 +646,7 @@ impl Live {
                         if let Err(e) = inbox.add_ring(&self.setup.shm_dir, &name, 4 << 20) {
                             tracing::warn!("no new results ring ({e}); results come over gRPC");
                         }
-                        self.results_ep =
-                            inbox.endpoint(&self.setup.advertise, &omni_transport::host_id());
-                        self.results_ep.clone()
+                        inbox.endpoint(&self.setup.advertise, &omni_transport::host_id())
                     }
                 })
             } else {
@@ -677,7 +660,7 @@ impl Live {
                         .wire(WireRequest {
                             next: next.clone(),
                             transport: transport as i32,
-                            experts: routes,
+                            experts: self.routes(offloaded.as_deref().unwrap_or_default()),
                         })
                         .await
                         .map_err(|s| format!("worker {id} could not be rewired: {}", s.message()))?
@@ -685,8 +668,7 @@ impl Live {
                     let w = &mut self.workers[f];
                     w.transport = r.transport;
                     w.expert_transports = r.expert_transports;
-                    let i = serving.iter().position(|&s| s == f).unwrap();
-                    let off = plan.stages[i].offloaded.clone();
+                    let off = offloaded.unwrap_or_default();
                     match self.wired.iter_mut().find(|(w, _)| *w == f) {
                         Some(x) => x.1 = off,
                         None => self.wired.push((f, off)),

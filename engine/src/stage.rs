@@ -710,23 +710,12 @@ impl Stage {
         incoming: Option<&KvLayers>,
     ) -> Result<(), EngineError> {
         let incoming: Vec<&KvLayers> = incoming.into_iter().collect();
-        self.check_move(&range, &incoming)?;
+        check_takeover(Some(self), &range, &incoming)?;
         let mut new =
             Stage::load_offloaded(self.model.clone(), range, self.cfg.clone(), offloaded)?;
         new.take_over(Some(self), &incoming)?;
         *self = new;
         Ok(())
-    }
-
-    /// The cheap checks of a move from `self` to `range` before anything
-    /// is loaded: every layer of `range` this stage does not run is in
-    /// `incoming`, and the incoming cell tables are this stage's.
-    pub fn check_move(
-        &self,
-        range: &LayerRange,
-        incoming: &[&KvLayers],
-    ) -> Result<(), EngineError> {
-        check_takeover(Some(self), range, incoming)
     }
 
     /// Makes this freshly loaded stage (no step run yet) the successor of

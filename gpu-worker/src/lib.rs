@@ -98,8 +98,8 @@ struct State {
     loaded: Option<(Arc<ModelFile>, StageConfig)>,
     /// The standby stage a Prepare loaded, waiting for its Switch.
     prepared: Option<Stage>,
-    /// The range before a pending switch (Some while one is pending).
-    range_before: Option<Option<LayerRange>>,
+    /// A switch is pending (until Finish).
+    move_pending: bool,
     /// Bytes of this worker's inbox ring, and how many rings it made.
     ring_bytes: usize,
     rings: u32,
@@ -156,7 +156,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             expert_ring: 0,
             loaded: None,
             prepared: None,
-            range_before: None,
+            move_pending: false,
             ring_bytes: 0,
             rings: 0,
         }),
@@ -194,24 +194,27 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 struct Svc(Arc<Worker>);
 
+/// Runs `f` on a blocking thread (loads and stage-thread calls block).
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+}
+
 #[tonic::async_trait]
 impl worker_server::Worker for Svc {
     async fn load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReply>, Status> {
         let req = req.into_inner();
         let w = self.0.clone();
-        tokio::task::spawn_blocking(move || w.load(req))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map(Response::new)
+        blocking(move || w.load(req)).await.map(Response::new)
     }
 
     async fn wire(&self, req: Request<WireRequest>) -> Result<Response<WireReply>, Status> {
         let req = req.into_inner();
-        let choice = match Transport::try_from(req.transport).unwrap_or(Transport::Auto) {
-            Transport::Auto => TransportChoice::Auto,
-            Transport::Shm => TransportChoice::Shm,
-            Transport::Grpc => TransportChoice::Grpc,
-        };
+        let choice =
+            TransportChoice::from(Transport::try_from(req.transport).unwrap_or(Transport::Auto));
         let outbox = match &req.next {
             Some(next) => {
                 let o = Outbox::connect(next, choice)
@@ -270,10 +273,7 @@ impl worker_server::Worker for Svc {
     ) -> Result<Response<PrepareReply>, Status> {
         let req = req.into_inner();
         let w = self.0.clone();
-        tokio::task::spawn_blocking(move || w.prepare(req))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map(Response::new)
+        blocking(move || w.prepare(req)).await.map(Response::new)
     }
 
     type ExportStateStream =
@@ -286,11 +286,11 @@ impl worker_server::Worker for Svc {
         let req = req.into_inner();
         let exec = self.0.exec()?;
         let id = self.0.id.clone();
-        let (kv, seqs) =
-            tokio::task::spawn_blocking(move || exec.export(req.layer_start..req.layer_end))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))?
-                .map_err(|e| Status::failed_precondition(format!("worker {id}: {e}")))?;
+        let (kv, seqs) = blocking(move || {
+            exec.export(req.layer_start..req.layer_end)
+                .map_err(|e| Status::failed_precondition(format!("worker {id}: {e}")))
+        })
+        .await?;
         let mut chunks = Vec::new();
         if let Some(kv) = kv {
             let bytes = kv.to_bytes();
@@ -345,9 +345,7 @@ impl worker_server::Worker for Svc {
         let h = header.ok_or_else(|| Status::invalid_argument("Switch needs a header first"))?;
         let kv_bytes_in = kv.iter().map(|k| k.len() as u64).sum();
         let w = self.0.clone();
-        tokio::task::spawn_blocking(move || w.switch(h, kv, seqs))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+        blocking(move || w.switch(h, kv, seqs)).await?;
         Ok(Response::new(SwitchReply {
             switch_seconds: t.elapsed().as_secs_f64(),
             kv_bytes_in,
@@ -357,10 +355,7 @@ impl worker_server::Worker for Svc {
     async fn finish(&self, req: Request<FinishRequest>) -> Result<Response<FinishReply>, Status> {
         let commit = req.into_inner().commit;
         let w = self.0.clone();
-        tokio::task::spawn_blocking(move || w.finish(commit))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map(Response::new)
+        blocking(move || w.finish(commit)).await.map(Response::new)
     }
 
     async fn open_inbox(
@@ -448,7 +443,7 @@ impl Worker {
         };
         let (model, cfg) = {
             let mut st = self.state.lock().unwrap();
-            if st.range_before.is_some() {
+            if st.move_pending {
                 return Err(Status::failed_precondition(format!(
                     "worker {}: a move is pending (finish it first)",
                     self.id
@@ -488,7 +483,7 @@ impl Worker {
             .iter()
             .map(|b| omni_engine::kv::KvLayers::from_bytes(b).map_err(|e| bad(e.to_string())))
             .collect::<Result<Vec<_>, _>>()?;
-        let (exec, new, before) = {
+        let (exec, new) = {
             let mut st = self.state.lock().unwrap();
             let exec = st
                 .exec
@@ -515,14 +510,14 @@ impl Worker {
                 }
                 Some(p)
             };
-            (exec, new, st.range.clone())
+            (exec, new)
         };
         let range = new.as_ref().map(|s| s.range().clone());
         let t = Instant::now();
         exec.switch(new, h.stage, incoming, seqs).map_err(bad)?;
         let took = t.elapsed().as_secs_f64() * 1e3;
         let mut st = self.state.lock().unwrap();
-        st.range_before = Some(before);
+        st.move_pending = true;
         st.range = range.clone();
         match range {
             Some(r) => tracing::info!("switched to {r} ({took:.1} ms on the stage thread)"),
@@ -545,7 +540,7 @@ impl Worker {
             None => None,
         };
         let mut st = self.state.lock().unwrap();
-        if st.range_before.take().is_some() {
+        if std::mem::take(&mut st.move_pending) {
             tracing::info!(
                 "{} the move: running {}",
                 if commit { "committed" } else { "rolled back" },
@@ -754,7 +749,7 @@ impl Worker {
         st.loaded = Some((model_arc, cfg.clone()));
         st.ring_bytes = 4 * frame;
         st.prepared = None;
-        st.range_before = None;
+        st.move_pending = false;
         st.range = Some(range.clone());
         st.kv_cells = cfg.kv.n_cells() as u64;
         st.expert_ring = omni_transport::experts::ring_bytes(cfg.n_ubatch, n_embd, n_used);

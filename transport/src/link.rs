@@ -43,6 +43,27 @@ pub enum TransportChoice {
     Grpc,
 }
 
+impl From<TransportChoice> for omni_proto::worker::v1::Transport {
+    fn from(c: TransportChoice) -> Self {
+        match c {
+            TransportChoice::Auto => Self::Auto,
+            TransportChoice::Shm => Self::Shm,
+            TransportChoice::Grpc => Self::Grpc,
+        }
+    }
+}
+
+impl From<omni_proto::worker::v1::Transport> for TransportChoice {
+    fn from(t: omni_proto::worker::v1::Transport) -> Self {
+        use omni_proto::worker::v1::Transport;
+        match t {
+            Transport::Auto => Self::Auto,
+            Transport::Shm => Self::Shm,
+            Transport::Grpc => Self::Grpc,
+        }
+    }
+}
+
 impl std::str::FromStr for TransportChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
