@@ -500,7 +500,10 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
     };
     assert_eq!(offloaded(&c), ["1", "2-3"]);
     const N: usize = 800;
-    let reqs = vec![greedy(&[1, 17, 42, 99, 5], N), greedy(&[1, 3, 3, 7], N)];
+    // One stream, alone as in its run without moves: on this random-weight
+    // model near-ties are common, and other sequences' KV cells would
+    // change the last bits of its logits (see the drain test).
+    let reqs = vec![greedy(&[1, 17, 42, 99, 5], N)];
     let alone: Vec<Vec<u32>> = reqs
         .iter()
         .map(|r| ids(&c.generate(r.clone()).unwrap()))
@@ -514,7 +517,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
     assert_eq!(offloaded(&c), ["1-2", "3"]);
     let at_last_move = streams.progress.load(Ordering::Relaxed);
     let results = streams.handle.join().unwrap();
-    assert!(at_last_move < 2 * N, "the moves ended after the streams");
+    assert!(at_last_move < N, "the moves ended after the stream");
     same_tokens(&results, &alone, "the moves");
     let info = c.info().unwrap();
     assert!(
