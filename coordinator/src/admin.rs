@@ -124,13 +124,24 @@ impl AdminState {
             MoveOp::Drain(w) => live.drain(&w).await,
             MoveOp::Undrain(w) => live.undrain(&w).await,
         };
+        self.refresh(live);
+        reply
+    }
+
+    /// The live cluster, once it is up (moves and recoveries take turns).
+    pub(crate) async fn live_lock(&self) -> tokio::sync::MutexGuard<'_, Option<Live>> {
+        self.live.lock().await
+    }
+
+    /// The view and the coordinator's Info, as `live` is now.
+    pub(crate) fn refresh(&self, live: &Live) {
         *self.view.lock().unwrap() = Some(Arc::new(live.view()));
         if let Some(info) = self.info.lock().unwrap().as_ref() {
             let mut info = info.lock().unwrap();
             info.stages = live.stage_infos();
+            info.expert_workers = live.expert_workers.iter().map(|e| e.2.clone()).collect();
             info.plan = live.plan.to_string();
         }
-        reply
     }
 
     pub fn set_health(&self, worker: &str, health: String) {
@@ -138,6 +149,11 @@ impl AdminState {
             .lock()
             .unwrap()
             .insert(worker.to_string(), health);
+    }
+
+    /// `worker` answers again: its health is what its placement says.
+    pub fn clear_health(&self, worker: &str) {
+        self.health.lock().unwrap().remove(worker);
     }
 }
 

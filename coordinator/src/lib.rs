@@ -11,6 +11,7 @@ pub mod admin;
 pub mod metrics;
 pub mod migrate;
 pub mod plan;
+pub mod recover;
 pub mod scheduler;
 mod service;
 
@@ -103,9 +104,24 @@ pub struct CoordinatorConfig {
     /// Send hidden states as f16 (half the bytes; results change slightly).
     #[arg(long, env = "OMNI_F16_HIDDEN")]
     pub f16_hidden: bool,
-    /// Fail requests when a step gets no answer for this many seconds.
+    /// A step with no answer for this many seconds means the pipeline is
+    /// stuck: the cluster recovers.
     #[arg(long, env = "OMNI_STEP_TIMEOUT", default_value_t = 120.0)]
     pub step_timeout: f64,
+    /// How long a lost worker may take to come back (its supervisor
+    /// restarts it) before the plan is made again over the others, when
+    /// they can hold the model (seconds).
+    #[arg(long, env = "OMNI_REJOIN_TIMEOUT", default_value_t = 30.0)]
+    pub rejoin_timeout: f64,
+    /// How long a recovery may take before the requests in flight are
+    /// stopped with the reason; the cluster keeps waiting for its workers
+    /// and serves again once they are back (seconds).
+    #[arg(long, env = "OMNI_RECOVERY_TIMEOUT", default_value_t = 120.0)]
+    pub recovery_timeout: f64,
+    /// Most requests waiting for a slot (also while recovering); beyond
+    /// it new requests are refused as unavailable (the router's 503).
+    #[arg(long, env = "OMNI_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
     /// How often each worker's health is checked (seconds).
     #[arg(long, env = "OMNI_HEALTH_INTERVAL", default_value_t = 1.0)]
     pub health_interval: f64,
@@ -149,6 +165,7 @@ pub(crate) struct Shared {
     pub next_seq: std::sync::atomic::AtomicU64,
     pub metrics: Arc<Metrics>,
     pub admin: Arc<admin::AdminState>,
+    pub recovery: Arc<recover::Recovery>,
 }
 
 /// Runs the coordinator until it is stopped or its start-up fails.
@@ -218,6 +235,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
         next_seq: 1.into(),
         metrics: metrics.clone(),
         admin: Arc::new(admin::AdminState::new(metrics.clone())),
+        recovery: Arc::default(),
     });
     shared.admin.set_info(shared.info.clone());
 
@@ -327,6 +345,13 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             }
         }
     }
+    shared.recovery.know(
+        &workers
+            .iter()
+            .chain(&expert_workers)
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
     *shared.registering.lock().unwrap() = false;
     workers.sort_by(|a, b| a.id.cmp(&b.id));
     expert_workers.sort_by(|a, b| a.id.cmp(&b.id));
@@ -506,6 +531,7 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     // 4. Serve.
     let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
+    let (recover_tx, recover_rx) = mpsc::unbounded_channel();
     let sched = Scheduler::new(
         SchedulerConfig {
             n_ctx: cfg.ctx,
@@ -513,10 +539,12 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_ubatch: cfg.ubatch,
             n_groups: cfg.micro_batches.unwrap_or(workers.len()).max(1),
             step_timeout: Duration::from_secs_f64(cfg.step_timeout),
+            max_queue: cfg.max_queue,
         },
         tokenizer,
         outbox,
         metrics,
+        Some(recover_tx),
     );
     let frames = inbox.lock().unwrap().receiver().clone();
     std::thread::Builder::new()
@@ -531,6 +559,15 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
             shm_dir: cfg.shm_dir.clone(),
             events: ev_tx.clone(),
             step_timeout: Duration::from_secs_f64(cfg.step_timeout),
+            load: LoadRequest {
+                model_path: cfg.model.display().to_string(),
+                n_ctx: cfg.ctx as u32,
+                n_seq: cfg.seqs as u32,
+                n_ubatch: cfg.ubatch as u32,
+                f16_hidden: cfg.f16_hidden,
+                gpu_experts: cfg.gpu_experts,
+                ..Default::default()
+            },
         },
         live_workers,
         expert_info
@@ -545,12 +582,24 @@ pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
     );
     let stages = live.stage_infos();
     shared.admin.set_live(live);
+    tokio::spawn(recover::run(
+        recover_rx,
+        shared.admin.clone(),
+        shared.recovery.clone(),
+        shared.info.clone(),
+        ev_tx.clone(),
+        recover::Timeouts {
+            rejoin: Duration::from_secs_f64(cfg.rejoin_timeout),
+            give_up: Duration::from_secs_f64(cfg.recovery_timeout),
+        },
+    ));
     for w in workers.iter().chain(&expert_workers) {
         tokio::spawn(watch_worker(
             w.clone(),
             Duration::from_secs_f64(cfg.health_interval),
             ev_tx.clone(),
             shared.admin.clone(),
+            shared.recovery.clone(),
         ));
     }
     {
@@ -583,49 +632,70 @@ async fn worker_client(addr: &str) -> anyhow::Result<WorkerClient<tonic::transpo
     Ok(WorkerClient::new(channel(addr).await?))
 }
 
-/// Checks a worker's gRPC health every `interval`; two failures in a row
-/// (or a refused connection) report it lost.
+/// Checks a worker's gRPC health every `interval`, at the address it has
+/// now (a restarted worker may register from another); two failures in a
+/// row report it lost, once, until it answers again. A stopped (SIGSTOP)
+/// worker is lost this way too: its health check gets no answer.
 async fn watch_worker(
     w: Registered,
     interval: Duration,
     events: crossbeam_channel::Sender<Event>,
     admin: Arc<admin::AdminState>,
+    recovery: Arc<recover::Recovery>,
 ) {
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let timeout = interval.max(Duration::from_millis(500)) * 2;
-    let Ok(ep) = tonic::transport::Endpoint::from_shared(format!("http://{}", w.addr)) else {
+    let connect = |addr: &str| {
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .ok()
+            .map(|ep| HealthClient::new(ep.connect_timeout(timeout).connect_lazy()))
+    };
+    let mut addr = w.addr.clone();
+    let Some(mut client) = connect(&addr) else {
         return;
     };
-    let mut client = HealthClient::new(ep.connect_timeout(timeout).connect_lazy());
     let mut misses = 0;
+    let mut lost = false;
     loop {
         tokio::time::sleep(interval).await;
+        if let Some(now) = recovery.addr(&w.id).filter(|a| *a != addr) {
+            let Some(c) = connect(&now) else {
+                return;
+            };
+            addr = now;
+            client = c;
+        }
         let check = client.check(HealthCheckRequest {
             service: String::new(),
         });
         let why = match tokio::time::timeout(timeout, check).await {
             Ok(Ok(_)) => {
                 misses = 0;
+                if std::mem::take(&mut lost) {
+                    tracing::info!("worker {} at {addr} answers again", w.id);
+                    admin.clear_health(&w.id);
+                }
                 continue;
             }
             Ok(Err(s)) => s.message().to_string(),
             Err(_) => format!("no health answer within {:.1}s", timeout.as_secs_f64()),
         };
         misses += 1;
-        if misses >= 2 {
-            if admin.is_drained(&w.id) {
-                // Out of the pipeline: serving goes on without it (a
-                // drained worker is one an operator may stop).
-                tracing::warn!("drained worker {} is gone: {why}", w.id);
-                admin.set_health(&w.id, format!("lost (drained): {why}"));
-                return;
-            }
-            admin.set_health(&w.id, format!("lost: {why}"));
-            let _ = events.send(Event::WorkerLost {
-                worker: format!("{} ({})", w.id, w.addr),
-                why,
-            });
-            return;
+        if misses < 2 || lost {
+            continue;
         }
+        lost = true;
+        if admin.is_drained(&w.id) {
+            // Out of the pipeline: serving goes on without it (a
+            // drained worker is one an operator may stop).
+            tracing::warn!("drained worker {} is gone: {why}", w.id);
+            admin.set_health(&w.id, format!("lost (drained): {why}"));
+            continue;
+        }
+        admin.set_health(&w.id, format!("lost: {why}"));
+        let _ = events.send(Event::WorkerLost {
+            worker: format!("{} ({addr})", w.id),
+            why,
+        });
     }
 }

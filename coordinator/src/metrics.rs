@@ -24,6 +24,10 @@ pub struct Metrics {
     pub queue_depth: Gauge<i64>,
     pub active_sequences: Gauge<i64>,
     pub step_latency_us: Gauge<i64>,
+    /// Recoveries begun (a worker lost, a step failed or stuck).
+    pub recoveries: Counter<u64, AtomicU64>,
+    /// Replayed samples that differed from the token sent before.
+    pub replay_mismatches: Counter<u64, AtomicU64>,
     ttft: Histogram,
     stage_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
     pub registry: Registry,
@@ -73,6 +77,7 @@ impl Metrics {
             (Counter::default(), Counter::default(), Counter::default());
         let (queue_depth, active_sequences, step_latency_us) =
             (Gauge::default(), Gauge::default(), Gauge::default());
+        let (recoveries, replay_mismatches) = (Counter::default(), Counter::default());
         let ttft = ms_histogram();
         let stage_ms = Family::<StageLabel, Histogram>::new_with_constructor(
             ms_histogram as fn() -> Histogram,
@@ -104,6 +109,16 @@ impl Metrics {
             step_latency_us.clone(),
         );
         r.register(
+            "recoveries",
+            "Recoveries begun: a worker was lost, or a step failed or got no answer",
+            recoveries.clone(),
+        );
+        r.register(
+            "replay_mismatches",
+            "Tokens a recovery's replay sampled differently from the ones sent before",
+            replay_mismatches.clone(),
+        );
+        r.register(
             "time_to_first_token_ms",
             "Arrival to first token, milliseconds",
             ttft.clone(),
@@ -125,6 +140,8 @@ impl Metrics {
             queue_depth,
             active_sequences,
             step_latency_us,
+            recoveries,
+            replay_mismatches,
             ttft,
             stage_ms,
             registry: r,

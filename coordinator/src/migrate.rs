@@ -57,6 +57,9 @@ pub struct Setup {
     pub events: crossbeam_channel::Sender<Event>,
     /// How long a pause may wait for the steps in flight.
     pub step_timeout: Duration,
+    /// What every stage's Load carries besides its range (a recovery
+    /// loads a restarted worker with it).
+    pub load: omni_proto::worker::v1::LoadRequest,
 }
 
 /// The running cluster, as moves need it.
@@ -71,12 +74,12 @@ pub struct Live {
     pub plan: Plan,
     /// The coordinator's results inbox (the last stage sends to it).
     pub results: Arc<Mutex<Inbox>>,
-    rings: u32,
+    pub(crate) rings: u32,
     /// The pipeline's links as wired now: (sender, receiver), None being
     /// the coordinator.
-    links: Vec<(Option<usize>, Option<usize>)>,
+    pub(crate) links: Vec<(Option<usize>, Option<usize>)>,
     /// The offloaded layers each worker's expert routes were wired for.
-    wired: Vec<(usize, Vec<u32>)>,
+    pub(crate) wired: Vec<(usize, Vec<u32>)>,
 }
 
 /// What a move does to one worker.
@@ -289,7 +292,7 @@ impl Live {
         self.apply(serving, None).await
     }
 
-    fn plan_for(&self, serving: &[usize], split: Option<Split>) -> Result<Plan, Status> {
+    pub(crate) fn plan_for(&self, serving: &[usize], split: Option<Split>) -> Result<Plan, Status> {
         let mut cfg = self.setup.pcfg.clone();
         cfg.split = split;
         let experts: Vec<WorkerSpec> = self.expert_workers.iter().map(|e| e.1.clone()).collect();
@@ -510,7 +513,7 @@ impl Live {
         })
     }
 
-    fn addr(&self, wi: usize) -> (String, String) {
+    pub(crate) fn addr(&self, wi: usize) -> (String, String) {
         let r = &self.workers[wi].reg;
         (r.id.clone(), r.addr.clone())
     }
@@ -602,7 +605,11 @@ impl Live {
     /// whose sender changes gets a fresh inbox and its sender is wired to
     /// it; a worker whose offloaded layers change gets its routes. Returns
     /// the scheduler's new outbox when the first stage changed.
-    async fn rewire(&mut self, serving: &[usize], plan: &Plan) -> Result<Option<Outbox>, String> {
+    pub(crate) async fn rewire(
+        &mut self,
+        serving: &[usize],
+        plan: &Plan,
+    ) -> Result<Option<Outbox>, String> {
         let now = pipeline_links(serving);
         let transport = Transport::from(self.setup.transport);
         let mut outbox = None;
@@ -915,12 +922,12 @@ pub fn counts_for_move(
 
 /// How long a worker may take to load its new range (a DeepSeek-sized
 /// range is many GiB read from disk).
-const PREPARE_TIMEOUT: Duration = Duration::from_secs(1800);
+pub(crate) const PREPARE_TIMEOUT: Duration = Duration::from_secs(1800);
 /// Every other call of a move (export, switch, commit, rewiring).
-const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// A client of the worker at `addr` whose calls fail after `timeout`.
-async fn client(
+pub(crate) async fn client(
     addr: &str,
     timeout: Duration,
 ) -> Result<WorkerClient<tonic::transport::Channel>, String> {

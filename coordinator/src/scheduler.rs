@@ -13,6 +13,20 @@
 //! sent (every stage frees the slot's KV cells before that step), and only
 //! then can a new sequence take the slot. Frames travel one FIFO path, so a
 //! step sent before the removal can never see the new owner's tokens.
+//!
+//! Recovery: when a worker is lost (its health, a broken link, a failed or
+//! stuck step), nothing is failed at once. The scheduler drops what was in
+//! flight, asks the recovery task (`recover.rs`) to bring the pipeline
+//! back, and queues new requests meanwhile. Every step that came back is
+//! kept in its group's log with the KV cell of each token (the first stage
+//! reports them); once the stages are reset or reloaded, each group's log
+//! is replayed in order: the same tokens in the same steps, into the same
+//! cells, sampled at the same places (so samplers' random streams and
+//! penalty histories come out as before, and their draws are checked
+//! against the tokens already sent). Then the sequences go on where they
+//! were; the client sees a pause. Frames of steps sent before the recovery
+//! are told apart by their id (the fence) and ignored, here and on every
+//! stage.
 
 use crate::metrics::Metrics;
 use crossbeam_channel::{select, Receiver};
@@ -30,6 +44,18 @@ use tonic::Status;
 
 /// A step that only carries removals belongs to no group.
 const CONTROL_GROUP: u32 = u32::MAX;
+
+/// A sequence caught in more recoveries than this is stopped with the
+/// error (a step that fails every time it runs must not loop forever).
+const MAX_RECOVERIES: u32 = 3;
+
+/// What the scheduler asks of the recovery task.
+#[derive(Debug)]
+pub struct RecoveryNeeded {
+    /// Steps with a smaller id belong to the broken pipeline.
+    pub fence: u64,
+    pub why: String,
+}
 
 pub type EventTx = UnboundedSender<Result<GenerateEvent, Status>>;
 
@@ -76,6 +102,15 @@ pub enum Event {
     Pause(crossbeam_channel::Sender<Result<(), String>>),
     /// Go on after a pause, sending to a new first stage if given.
     Resume(Option<Outbox>),
+    /// The pipeline is back (every stage reset or reloaded and wired, with
+    /// frames of steps before `fence` dropped): replay and go on.
+    Recovered {
+        outbox: Option<Outbox>,
+        fence: u64,
+    },
+    /// Recovery cannot finish soon: stop the sequences with `why`, refuse
+    /// new requests, and keep waiting for `Recovered`.
+    RecoveryFailed(String),
 }
 
 pub struct SchedulerConfig {
@@ -85,6 +120,9 @@ pub struct SchedulerConfig {
     pub n_groups: usize,
     /// A step with no answer for this long means the pipeline is stuck.
     pub step_timeout: Duration,
+    /// Most requests waiting for a slot; beyond it new ones are refused
+    /// (UNAVAILABLE, which the router answers with 503 and Retry-After).
+    pub max_queue: usize,
 }
 
 struct Seq {
@@ -100,6 +138,20 @@ struct Seq {
     decoder: StreamDecoder,
     stops: StopMatcher,
     first_token: Option<Instant>,
+    /// Recoveries this sequence went through.
+    recoveries: u32,
+}
+
+/// One sequence's part of a step: tokens `from..from + n` of its log,
+/// logits wanted for the last one or not, and (once the step came back)
+/// the KV cell each token went into.
+#[derive(Clone, Debug)]
+struct Entry {
+    seq: u64,
+    from: usize,
+    n: usize,
+    logits: bool,
+    cells: Vec<i64>,
 }
 
 struct InFlight {
@@ -107,6 +159,10 @@ struct InFlight {
     sent: Instant,
     /// The sequence each slot in the step belonged to when it was sent.
     owners: HashMap<u32, u64>,
+    /// What the step carries, in token order.
+    entries: Vec<Entry>,
+    /// A replayed step: its samples repeat tokens already sent.
+    replay: bool,
 }
 
 pub struct Scheduler {
@@ -129,18 +185,40 @@ pub struct Scheduler {
     paused: bool,
     /// Control steps (removals only) sent and not yet back.
     control_in_flight: usize,
+    /// Every group's steps that came back, oldest first (entries of live
+    /// sequences only): what a recovery replays.
+    logs: Vec<VecDeque<Vec<Entry>>>,
+    /// Steps each group still has to replay after a recovery.
+    replay: Vec<VecDeque<Vec<Entry>>>,
+    /// Why the pipeline is being recovered (nothing is sent meanwhile).
+    recovering: Option<String>,
+    /// Set when recovery gave up on the sequences: new requests are refused.
+    gave_up: Option<String>,
+    /// Results of steps before this id belong to a broken pipeline.
+    fence: u64,
+    recover: Option<tokio::sync::mpsc::UnboundedSender<RecoveryNeeded>>,
 }
 
 impl Scheduler {
+    /// `recover` is where recovery requests go; without it a lost worker
+    /// stops every request (the way a cluster without recovery behaves).
     pub fn new(
         cfg: SchedulerConfig,
         tokenizer: Arc<Tokenizer>,
         outbox: Outbox,
         metrics: Arc<Metrics>,
+        recover: Option<tokio::sync::mpsc::UnboundedSender<RecoveryNeeded>>,
     ) -> Scheduler {
+        let n_groups = cfg.n_groups.max(1);
         Scheduler {
             free_slots: (0..cfg.n_seq as u32).rev().collect(),
-            groups: (0..cfg.n_groups.max(1)).map(|_| None).collect(),
+            groups: (0..n_groups).map(|_| None).collect(),
+            logs: (0..n_groups).map(|_| VecDeque::new()).collect(),
+            replay: (0..n_groups).map(|_| VecDeque::new()).collect(),
+            recovering: None,
+            gave_up: None,
+            fence: 0,
+            recover,
             cfg,
             tokenizer,
             outbox,
@@ -188,9 +266,20 @@ impl Scheduler {
     fn on_event(&mut self, ev: Event) {
         match ev {
             Event::New(s) => {
-                if let Some(why) = &self.failed {
+                if let Some(why) = self.failed.as_ref().or(self.gave_up.as_ref()) {
                     s.fail(Status::unavailable(format!(
                         "the cluster cannot serve: {why}"
+                    )));
+                    return;
+                }
+                if self.queue.len() >= self.cfg.max_queue {
+                    let state = match &self.recovering {
+                        Some(why) => format!("the cluster is recovering ({why}) and "),
+                        None => String::new(),
+                    };
+                    s.fail(Status::unavailable(format!(
+                        "{state}{} requests are already waiting, the most this coordinator queues; retry later",
+                        self.queue.len()
                     )));
                     return;
                 }
@@ -205,9 +294,27 @@ impl Scheduler {
                 }
             }
             Event::WorkerLost { worker, why } => {
-                self.fail_all(format!("worker {worker} is gone: {why}"));
+                self.begin_recovery(format!("worker {worker} is gone: {why}"));
             }
-            Event::Pause(reply) => match &self.failed {
+            Event::Recovered { outbox, fence } => self.recovered(outbox, fence),
+            Event::RecoveryFailed(why) => {
+                if self.gave_up.is_none() {
+                    tracing::error!("{why}; stopping every request");
+                }
+                let status = Status::unavailable(format!("{why}; the request was stopped"));
+                let ids: Vec<u64> = self.seqs.keys().copied().collect();
+                for id in ids {
+                    if let Some(s) = self.seqs.get(&id) {
+                        s.new.fail(status.clone());
+                    }
+                    self.drop_seq(id);
+                }
+                for s in self.queue.drain(..) {
+                    s.fail(status.clone());
+                }
+                self.gave_up = Some(why);
+            }
+            Event::Pause(reply) => match self.failed.as_ref().or(self.recovering.as_ref()) {
                 Some(why) => {
                     let _ = reply.send(Err(format!("the cluster cannot serve: {why}")));
                 }
@@ -237,6 +344,112 @@ impl Scheduler {
         }
     }
 
+    /// The pipeline broke: drop what is in flight, send nothing more, and
+    /// ask for a recovery (without a recovery task: fail everything).
+    fn begin_recovery(&mut self, why: String) {
+        if self.failed.is_some() {
+            return;
+        }
+        if let Some(now) = &self.recovering {
+            tracing::warn!("{why} (while recovering from: {now})");
+            return;
+        }
+        let Some(recover) = &self.recover else {
+            self.fail_all(why);
+            return;
+        };
+        tracing::error!(
+            "{why}; recovering ({} sequences wait, {} steps were in flight)",
+            self.seqs.len(),
+            self.groups.iter().filter(|g| g.is_some()).count()
+        );
+        if recover
+            .send(RecoveryNeeded {
+                fence: self.next_step,
+                why: why.clone(),
+            })
+            .is_err()
+        {
+            self.fail_all(why);
+            return;
+        }
+        for g in &mut self.groups {
+            *g = None;
+        }
+        for r in &mut self.replay {
+            r.clear();
+        }
+        self.control_in_flight = 0;
+        if let Some(p) = self.pausing.take() {
+            let _ = p.send(Err(format!("the cluster is recovering: {why}")));
+        }
+        self.paused = false;
+        self.metrics.recoveries.inc();
+        self.recovering = Some(why);
+    }
+
+    /// The stages were reset (no sequence, every cell free) and wired
+    /// again: every group replays its log, every sequence goes on from
+    /// where its last step that came back left it.
+    fn recovered(&mut self, outbox: Option<Outbox>, fence: u64) {
+        if let Some(o) = outbox {
+            self.outbox = o;
+        }
+        self.fence = fence;
+        self.next_step = self.next_step.max(fence);
+        let why = self.recovering.take().unwrap_or_default();
+        self.gave_up = None;
+        let mut stopped = Vec::new();
+        for (id, s) in self.seqs.iter_mut() {
+            let done = self
+                .logs
+                .iter()
+                .flatten()
+                .flatten()
+                .filter(|e| e.seq == *id)
+                .map(|e| e.from + e.n)
+                .max()
+                .unwrap_or(0);
+            s.fed = done;
+            // The replay's first step carries the start again.
+            s.started = done > 0;
+            s.recoveries += 1;
+            if s.recoveries > MAX_RECOVERIES {
+                stopped.push(*id);
+            }
+        }
+        for id in stopped {
+            if let Some(s) = self.seqs.get(&id) {
+                s.new.fail(Status::unavailable(format!(
+                    "the request was stopped after {MAX_RECOVERIES} recoveries, the last because {why}"
+                )));
+            }
+            self.drop_seq(id);
+        }
+        for (g, log) in self.logs.iter_mut().enumerate() {
+            self.replay[g] = std::mem::take(log);
+        }
+        // Every stage forgot every sequence: all slots not held are free.
+        self.pending_remove.clear();
+        let held: Vec<u32> = self.seqs.values().map(|s| s.slot).collect();
+        self.free_slots = (0..self.cfg.n_seq as u32)
+            .rev()
+            .filter(|s| !held.contains(s))
+            .collect();
+        let steps: usize = self.replay.iter().map(VecDeque::len).sum();
+        tracing::info!(
+            "recovered; replaying {steps} steps of {} sequences",
+            self.seqs.len()
+        );
+    }
+
+    /// Whether replayed steps are still to send or on their way (nothing
+    /// else is sent meanwhile: a new token's cell could be one a replayed
+    /// token must go back into).
+    fn replaying(&self) -> bool {
+        self.replay.iter().any(|r| !r.is_empty()) || self.groups.iter().flatten().any(|f| f.replay)
+    }
+
     /// Stops everything in flight with `why` (the client gets the error).
     fn fail_all(&mut self, why: String) {
         if self.failed.is_none() {
@@ -260,11 +473,17 @@ impl Scheduler {
         if let Some(s) = self.seqs.remove(&id) {
             self.order.retain(|&o| o != id);
             self.pending_remove.push(s.slot);
+            for log in self.logs.iter_mut().chain(self.replay.iter_mut()) {
+                for step in log.iter_mut() {
+                    step.retain(|e| e.seq != id);
+                }
+                log.retain(|step| !step.is_empty());
+            }
         }
     }
 
     fn check_timeouts(&mut self) {
-        if self.failed.is_some() {
+        if self.failed.is_some() || self.recovering.is_some() {
             return;
         }
         for (g, f) in self.groups.iter().enumerate() {
@@ -275,7 +494,7 @@ impl Scheduler {
                         f.id,
                         self.cfg.step_timeout.as_secs_f64()
                     );
-                    self.fail_all(why);
+                    self.begin_recovery(why);
                     return;
                 }
             }
@@ -285,10 +504,15 @@ impl Scheduler {
     /// Admits queued sequences into free slots, then sends a step for every
     /// idle group that has work (or a control step if only removals wait).
     fn schedule(&mut self) {
-        if self.failed.is_some() || self.paused || self.pausing.is_some() {
+        if self.failed.is_some()
+            || self.recovering.is_some()
+            || self.paused
+            || self.pausing.is_some()
+        {
             return;
         }
-        while !self.queue.is_empty() && !self.free_slots.is_empty() {
+        let replaying = self.replaying();
+        while !replaying && !self.queue.is_empty() && !self.free_slots.is_empty() {
             let new = self.queue.pop_front().unwrap();
             let slot = self.free_slots.pop().unwrap();
             let group = (0..self.groups.len())
@@ -310,13 +534,23 @@ impl Scheduler {
                     decoder: StreamDecoder::default(),
                     stops,
                     first_token: None,
+                    recoveries: 0,
                 },
             );
         }
         for g in 0..self.groups.len() {
-            if self.groups[g].is_none() {
-                if let Some((step, owners)) = self.build_step(g) {
-                    self.send(step, Some((g, owners)));
+            if self.groups[g].is_some() {
+                continue;
+            }
+            let built = match self.replay[g].pop_front() {
+                Some(entries) => self.build_replay(g, entries),
+                None if replaying => None,
+                None => self.build_step(g),
+            };
+            if let Some((step, flight)) = built {
+                self.send(step, Some((g, flight)));
+                if self.recovering.is_some() {
+                    return;
                 }
             }
         }
@@ -329,13 +563,14 @@ impl Scheduler {
         }
     }
 
-    fn build_step(&mut self, g: usize) -> Option<(Step, HashMap<u32, u64>)> {
+    fn build_step(&mut self, g: usize) -> Option<(Step, Flight)> {
         let mut budget = self.cfg.n_ubatch;
         let mut step = Step {
             group: g as u32,
             ..Default::default()
         };
         let mut owners = HashMap::new();
+        let mut entries = Vec::new();
         // Decode tokens first (one each), then prompt chunks.
         let ids: Vec<u64> = self.order.clone();
         for decode_pass in [true, false] {
@@ -347,6 +582,13 @@ impl Scheduler {
                     continue;
                 }
                 let take = remaining.min(budget);
+                entries.push(Entry {
+                    seq: *id,
+                    from: s.fed,
+                    n: take,
+                    logits: s.fed + take == s.tokens.len(),
+                    cells: Vec::new(),
+                });
                 for p in s.fed..s.fed + take {
                     step.tokens.push(s.tokens[p]);
                     step.positions.push(p as i32);
@@ -355,12 +597,7 @@ impl Scheduler {
                 }
                 if !s.started {
                     s.started = true;
-                    step.starts.push(SeqStart {
-                        slot: s.slot,
-                        sampling_json: serde_json::to_vec(&s.new.params).expect("serializable"),
-                        top_logprobs: s.new.top_logprobs,
-                        logprobs: s.new.logprobs,
-                    });
+                    step.starts.push(seq_start(s));
                     step.requests.push(SlotRequest {
                         slot: s.slot,
                         request_id: s.new.request_id.clone(),
@@ -375,12 +612,74 @@ impl Scheduler {
         if step.tokens.is_empty() {
             None
         } else {
-            Some((step, owners))
+            Some((
+                step,
+                Flight {
+                    owners,
+                    entries,
+                    replay: false,
+                },
+            ))
         }
     }
 
+    /// A logged step again, after a recovery: the same tokens of the same
+    /// (still live) sequences, into the same cells, with the starts of
+    /// sequences whose first tokens it carries.
+    fn build_replay(&mut self, g: usize, entries: Vec<Entry>) -> Option<(Step, Flight)> {
+        let mut step = Step {
+            group: g as u32,
+            ..Default::default()
+        };
+        let mut owners = HashMap::new();
+        let mut placed = true;
+        for e in &entries {
+            let Some(s) = self.seqs.get(&e.seq) else {
+                continue;
+            };
+            for p in e.from..e.from + e.n {
+                step.tokens.push(s.tokens[p]);
+                step.positions.push(p as i32);
+                step.seqs.push(s.slot);
+                step.logits.push(e.logits && p + 1 == e.from + e.n);
+            }
+            placed &= e.cells.len() == e.n;
+            step.cells.extend_from_slice(&e.cells);
+            if e.from == 0 {
+                step.starts.push(seq_start(s));
+                step.requests.push(SlotRequest {
+                    slot: s.slot,
+                    request_id: s.new.request_id.clone(),
+                    traceparent: s.new.traceparent.clone().unwrap_or_default(),
+                });
+            }
+            owners.insert(s.slot, e.seq);
+        }
+        if step.tokens.is_empty() {
+            return None;
+        }
+        if !placed {
+            step.cells.clear();
+        }
+        let entries = entries
+            .into_iter()
+            .map(|e| Entry {
+                cells: Vec::new(),
+                ..e
+            })
+            .collect();
+        Some((
+            step,
+            Flight {
+                owners,
+                entries,
+                replay: true,
+            },
+        ))
+    }
+
     /// Sends a step; a group's step records the owner of each of its slots.
-    fn send(&mut self, mut step: Step, group: Option<(usize, HashMap<u32, u64>)>) {
+    fn send(&mut self, mut step: Step, group: Option<(usize, Flight)>) {
         step.id = self.next_step;
         self.next_step += 1;
         // Removals ride on whatever step goes first; the slots are free
@@ -393,18 +692,20 @@ impl Scheduler {
             payload: Vec::new(),
         };
         if let Err(e) = self.outbox.send(frame) {
-            self.fail_all(format!("cannot reach the first stage: {e}"));
+            self.begin_recovery(format!("cannot reach the first stage: {e}"));
             return;
         }
         self.free_slots.extend(freed);
         self.metrics.steps.inc();
         self.metrics.tokens_in.inc_by(n_tokens);
         match group {
-            Some((g, owners)) => {
+            Some((g, f)) => {
                 self.groups[g] = Some(InFlight {
                     id: step.id,
                     sent: Instant::now(),
-                    owners,
+                    owners: f.owners,
+                    entries: f.entries,
+                    replay: f.replay,
                 })
             }
             None => self.control_in_flight += 1,
@@ -415,10 +716,14 @@ impl Scheduler {
         let step = match Step::decode(frame.meta.as_slice()) {
             Ok(s) => s,
             Err(e) => {
-                self.fail_all(format!("the last stage sent an undecodable frame: {e}"));
+                self.begin_recovery(format!("the last stage sent an undecodable frame: {e}"));
                 return;
             }
         };
+        if step.id < self.fence || self.recovering.is_some() {
+            tracing::debug!(step = step.id, "ignored a result of the broken pipeline");
+            return;
+        }
         if step.group == CONTROL_GROUP {
             self.control_in_flight = self.control_in_flight.saturating_sub(1);
             return;
@@ -432,7 +737,7 @@ impl Scheduler {
             return;
         };
         if inflight.id != step.id {
-            self.fail_all(format!(
+            self.begin_recovery(format!(
                 "the pipeline returned step {} but step {} was expected",
                 step.id, inflight.id
             ));
@@ -462,15 +767,14 @@ impl Scheduler {
             .step_latency_us
             .set(inflight.sent.elapsed().as_micros() as i64);
         if !step.error.is_empty() {
-            // The sequences of this step lost their KV state somewhere
-            // along the pipeline; stop them with the stage's message.
-            tracing::error!("step {} failed: {}", step.id, step.error);
-            for id in inflight.owners.values() {
-                if let Some(s) = self.seqs.get(id) {
-                    s.new.fail(Status::internal(step.error.clone()));
-                }
-                self.drop_seq(*id);
-            }
+            // Its sequences' cache is now unknown somewhere along the
+            // pipeline (and a dead expert worker shows up here first).
+            self.begin_recovery(format!("step {} failed: {}", step.id, step.error));
+            return;
+        }
+        self.log_step(g, &inflight.entries, &step.cells);
+        if inflight.replay {
+            self.check_replayed(&inflight.entries, &inflight.owners, &step.sampled);
             return;
         }
         for sampled in &step.sampled {
@@ -478,6 +782,61 @@ impl Scheduler {
                 continue;
             };
             self.on_token(id, sampled);
+        }
+    }
+
+    /// Keeps a step that came back in its group's log, with the cells its
+    /// tokens went into (in token order, as the first stage reported them).
+    fn log_step(&mut self, g: usize, entries: &[Entry], cells: &[i64]) {
+        let mut at = 0;
+        let mut logged = Vec::new();
+        for e in entries {
+            let mine = cells.get(at..at + e.n).unwrap_or_default();
+            at += e.n;
+            if self.seqs.contains_key(&e.seq) {
+                logged.push(Entry {
+                    cells: mine.to_vec(),
+                    ..e.clone()
+                });
+            }
+        }
+        if !logged.is_empty() {
+            self.logs[g].push_back(logged);
+        }
+    }
+
+    /// A replayed step's samples repeat tokens the clients already have;
+    /// they are dropped, and checked: with the same cache and the same
+    /// sampler state they are the same tokens.
+    fn check_replayed(
+        &mut self,
+        entries: &[Entry],
+        owners: &HashMap<u32, u64>,
+        sampled: &[omni_proto::worker::v1::Sampled],
+    ) {
+        for x in sampled {
+            let Some(&id) = owners.get(&x.slot) else {
+                continue;
+            };
+            let Some(s) = self.seqs.get(&id) else {
+                continue;
+            };
+            let Some(e) = entries.iter().find(|e| e.seq == id && e.logits) else {
+                continue;
+            };
+            let at = e.from + e.n;
+            match s.tokens.get(at) {
+                Some(&t) if t == x.token => {}
+                Some(&t) => {
+                    self.metrics.replay_mismatches.inc();
+                    tracing::warn!(
+                        seq = id,
+                        "the replay sampled token {} at position {at} where {t} was sent; the stream goes on with {t}",
+                        x.token
+                    );
+                }
+                None => tracing::warn!(seq = id, "a replayed step sampled past the sequence's log"),
+            }
         }
     }
 
@@ -556,5 +915,22 @@ impl Scheduler {
         if finish.is_some() || gone {
             self.drop_seq(id);
         }
+    }
+}
+
+/// What a group's step in flight needs on its way back.
+struct Flight {
+    owners: HashMap<u32, u64>,
+    entries: Vec<Entry>,
+    replay: bool,
+}
+
+/// How the last stage samples `s` (the step that starts it carries it).
+fn seq_start(s: &Seq) -> SeqStart {
+    SeqStart {
+        slot: s.slot,
+        sampling_json: serde_json::to_vec(&s.new.params).expect("serializable"),
+        top_logprobs: s.new.top_logprobs,
+        logprobs: s.new.logprobs,
     }
 }

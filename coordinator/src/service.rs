@@ -41,20 +41,35 @@ impl registry_server::Registry for RegistrySvc {
         let inventory = r
             .inventory
             .ok_or_else(|| Status::invalid_argument("a registration needs the inventory"))?;
+        let w = Registered {
+            id: r.worker_id,
+            addr: r.grpc_addr,
+            inventory,
+            kind,
+        };
         if !*self.0.registering.lock().unwrap() {
-            return Err(Status::failed_precondition(format!(
-                "worker {} registered after the plan was made; this coordinator expects {} worker(s) and {} expert worker(s)",
-                r.worker_id, self.0.cfg.workers, self.0.cfg.cpu_workers
-            )));
+            // After the plan: only a worker of the plan coming back (it
+            // restarted, so whatever it held is gone).
+            let (id, addr) = (w.id.clone(), w.addr.clone());
+            self.0.recovery.rejoin(w).map_err(|why| {
+                Status::failed_precondition(format!(
+                    "{why}; registered after the plan was made, and this coordinator expects {} worker(s) and {} expert worker(s)",
+                    self.0.cfg.workers, self.0.cfg.cpu_workers
+                ))
+            })?;
+            if let Some(ev) = self.0.events.lock().unwrap().as_ref() {
+                let _ = ev.send(Event::WorkerLost {
+                    worker: format!("{id} ({addr})"),
+                    why: "it restarted (it registered again)".into(),
+                });
+            }
+            return Ok(Response::new(RegisterReply {
+                model_path: self.0.cfg.model.display().to_string(),
+            }));
         }
         self.0
             .registrations
-            .send(Registered {
-                id: r.worker_id,
-                addr: r.grpc_addr,
-                inventory,
-                kind,
-            })
+            .send(w)
             .map_err(|_| Status::unavailable("the coordinator is shutting down"))?;
         Ok(Response::new(RegisterReply {
             model_path: self.0.cfg.model.display().to_string(),

@@ -343,6 +343,53 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Puts each (seq, pos) into the given cell, as `allocate` would have
+    /// chosen it earlier (a replay laying a sequence's cache out as before).
+    /// All or nothing: every cell must be in range, free and named once.
+    pub fn place(&mut self, seqs: &[u32], pos: &[i32], cells: &[i64]) -> Result<(), EngineError> {
+        for (&s, &p) in seqs.iter().zip(pos) {
+            if s as usize >= self.cfg.n_seq {
+                return Err(EngineError::Config(format!(
+                    "sequence id {s} is out of range: the KV cache holds {} sequences",
+                    self.cfg.n_seq
+                )));
+            }
+            if p < 0 || p as usize >= self.cfg.n_ctx {
+                return Err(EngineError::ContextFull {
+                    pos: p.max(0) as usize,
+                    n_ctx: self.cfg.n_ctx,
+                });
+            }
+        }
+        for (i, &c) in cells.iter().enumerate() {
+            let taken = usize::try_from(c)
+                .ok()
+                .and_then(|c| self.cells.get(c))
+                .map(Option::is_some);
+            match taken {
+                None => {
+                    return Err(EngineError::Config(format!(
+                        "KV cell {c} is out of range: the cache has {} cells",
+                        self.cells.len()
+                    )))
+                }
+                Some(true) => return Err(EngineError::Config(format!("KV cell {c} is in use"))),
+                Some(false) if cells[..i].contains(&c) => {
+                    return Err(EngineError::Config(format!(
+                        "KV cell {c} is named twice in one step"
+                    )))
+                }
+                Some(false) => {}
+            }
+        }
+        for ((&seq, &pos), &c) in seqs.iter().zip(pos).zip(cells) {
+            self.cells[c as usize] = Some(Cell { seq, pos });
+            self.n_used += 1;
+            self.used_end = self.used_end.max(c as usize + 1);
+        }
+        Ok(())
+    }
+
     /// Frees the given cells (a step that failed after `allocate`).
     pub fn release(&mut self, idx: &[i64]) {
         for &i in idx {

@@ -100,6 +100,10 @@ pub struct Batch {
     pub seq: Vec<u32>,
     /// Whether the logits of each token are wanted.
     pub logits: Vec<bool>,
+    /// The KV cell of each token, when the caller places them (a replay
+    /// that must lay a sequence's cache out as before); empty: the stage
+    /// allocates free cells.
+    pub cells: Vec<i64>,
 }
 
 impl Batch {
@@ -120,14 +124,18 @@ impl Batch {
         if n == 0 {
             return Err(EngineError::Config("empty batch".into()));
         }
-        if self.seq.len() != n || self.logits.len() != n || (need_tokens && self.tokens.len() != n)
+        if self.seq.len() != n
+            || self.logits.len() != n
+            || (need_tokens && self.tokens.len() != n)
+            || (!self.cells.is_empty() && self.cells.len() != n)
         {
             return Err(EngineError::Config(format!(
-                "inconsistent batch: {} tokens, {} positions, {} sequence ids, {} logit flags",
+                "inconsistent batch: {} tokens, {} positions, {} sequence ids, {} logit flags, {} cells",
                 self.tokens.len(),
                 n,
                 self.seq.len(),
-                self.logits.len()
+                self.logits.len(),
+                self.cells.len()
             )));
         }
         Ok(())
@@ -470,6 +478,8 @@ pub struct Stage {
     // Reused scratch for the masks.
     mask: Vec<u16>,
     mask_swa: Vec<u16>,
+    /// The KV cells the last step's tokens went into.
+    last_cells: Vec<i64>,
 }
 
 impl Stage {
@@ -557,6 +567,7 @@ impl Stage {
             alloc,
             mask: Vec::new(),
             mask_swa: Vec::new(),
+            last_cells: Vec::new(),
         };
         stage.reserve()?;
         Ok(stage)
@@ -773,6 +784,19 @@ impl Stage {
     /// Frees the KV cells of `seq` (all of them, or from position `from` on).
     pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
         self.kv.remove_seq(seq, from);
+    }
+
+    /// Frees every KV cell (a recovery starts the cache over).
+    pub fn clear_kv(&mut self) {
+        for seq in 0..self.kv.config().n_seq as u32 {
+            self.kv.remove_seq(seq, None);
+        }
+    }
+
+    /// The KV cell of each token of the last step that ran (empty if the
+    /// stage has no layers).
+    pub fn last_cells(&self) -> &[i64] {
+        &self.last_cells
     }
 
     /// Sizes the compute buffer once, for a full micro-batch over a full
@@ -1167,11 +1191,15 @@ impl Stage {
             }
         }
         let has_layers = !self.range.layers.is_empty();
-        let kv_idx = if has_layers {
-            self.kv.allocate(&batch.seq, &batch.pos)?
-        } else {
-            Vec::new()
+        let kv_idx = match (has_layers, batch.cells.is_empty()) {
+            (false, _) => Vec::new(),
+            (true, true) => self.kv.allocate(&batch.seq, &batch.pos)?,
+            (true, false) => {
+                self.kv.place(&batch.seq, &batch.pos, &batch.cells)?;
+                batch.cells.clone()
+            }
         };
+        self.last_cells.clone_from(&kv_idx);
         let result = self.run(batch, input, &kv_idx, experts);
         if result.is_err() && has_layers {
             self.kv.release(&kv_idx);

@@ -142,6 +142,7 @@ impl Exec {
                     experts,
                     device_experts,
                     stats,
+                    fence: 0,
                 };
                 while !s.load(Ordering::Relaxed) {
                     let frame = select! {
@@ -157,7 +158,9 @@ impl Exec {
                         }
                         default(Duration::from_millis(100)) => continue,
                     };
-                    let out = run.frame(frame);
+                    let Some(out) = run.frame(frame) else {
+                        continue;
+                    };
                     let index = run.index;
                     let mut guard = outbox.lock().unwrap();
                     match guard.as_mut() {
@@ -221,6 +224,13 @@ impl Exec {
     pub fn finish(&self, commit: bool) -> Result<Option<omni_engine::stage::LayerRange>, String> {
         self.call(move |run| run.finish(commit))
     }
+
+    /// Forgets every sequence and drops frames of steps before `fence`
+    /// (recovery); a pending switch is rolled back first. Returns the
+    /// range now run, if any.
+    pub fn reset(&self, fence: u64) -> Result<Option<omni_engine::stage::LayerRange>, String> {
+        self.call(move |run| run.reset(fence))
+    }
 }
 
 impl Drop for Exec {
@@ -252,9 +262,30 @@ struct StageRun {
     experts: Arc<Mutex<Option<RemoteExperts>>>,
     device_experts: DeviceExperts,
     stats: Arc<ExecStats>,
+    /// Frames of steps with a smaller id are dropped unrun: they belong to
+    /// a pipeline that broke before the last recovery.
+    fence: u64,
 }
 
 impl StageRun {
+    fn reset(&mut self, fence: u64) -> Option<omni_engine::stage::LayerRange> {
+        if self.previous.is_some() {
+            self.finish(false);
+        }
+        if let Some(stage) = self.stage.as_mut() {
+            stage.clear_kv();
+        }
+        self.slots.clear();
+        self.samplers.clear();
+        self.fence = fence;
+        self.stats.kv_cells_used.store(0, Ordering::Relaxed);
+        tracing::info!(
+            "stage {}: reset for recovery; frames of steps before {fence} are dropped",
+            self.index
+        );
+        self.stage.as_ref().map(|s| s.range().clone())
+    }
+
     /// Every `every` steps: keep the `k` most used experts of each
     /// offloaded layer here (only once the layer has statistics), and
     /// publish the statistics for Status and metrics. Runs between steps,
@@ -453,8 +484,15 @@ impl StageRun {
 
     /// Runs one frame and returns the frame to send on. Errors travel in the
     /// step header so the coordinator learns of them; nothing is dropped.
-    fn frame(&mut self, frame: Frame) -> Frame {
+    fn frame(&mut self, frame: Frame) -> Option<Frame> {
         let mut step = match Step::decode(frame.meta.as_slice()) {
+            Ok(s) if s.id < self.fence => {
+                tracing::debug!(
+                    step = s.id,
+                    "dropped a step of the pipeline before the reset"
+                );
+                return None;
+            }
             Ok(s) => s,
             Err(e) => Step {
                 error: format!("stage {}: undecodable step header: {e}", self.index),
@@ -477,10 +515,10 @@ impl StageRun {
             self.stage.as_ref().map_or(0, |s| s.kv().used() as u64),
             Ordering::Relaxed,
         );
-        Frame {
+        Some(Frame {
             meta: step.encode_to_vec(),
             payload,
-        }
+        })
     }
 
     fn step(&mut self, step: &mut Step, payload: &[u8]) -> Result<Vec<u8>, String> {
@@ -544,6 +582,7 @@ impl StageRun {
             pos: step.positions.clone(),
             seq: step.seqs.clone(),
             logits: step.logits.clone(),
+            cells: step.cells.clone(),
         };
         let input = if stage.range().embed {
             None
@@ -567,6 +606,11 @@ impl StageRun {
             r
         }
         .map_err(|e| e.to_string())?;
+        // The first stage to run the step says where its tokens' cells
+        // are; every later stage puts them in the same ones.
+        if step.cells.is_empty() {
+            step.cells = stage.last_cells().to_vec();
+        }
         // Sampling is part of the last stage's compute time.
         let payload = match out {
             StageOutput::Hidden(h) => h.to_bytes(self.dtype),

@@ -18,8 +18,9 @@ use omni_engine::KvConfig;
 use omni_proto::coordinator::v1::WorkerKind;
 use omni_proto::worker::v1::{
     worker_server, Endpoint, ExportStateRequest, FinishReply, FinishRequest, Inventory, LoadReply,
-    LoadRequest, OpenInboxReply, OpenInboxRequest, PrepareReply, PrepareRequest, StateChunk,
-    StatusReply, StatusRequest, SwitchReply, Transport, WireReply, WireRequest,
+    LoadRequest, OpenInboxReply, OpenInboxRequest, PrepareReply, PrepareRequest, ResetReply,
+    ResetRequest, StateChunk, StatusReply, StatusRequest, SwitchReply, Transport, WireReply,
+    WireRequest,
 };
 use omni_transport::registry::{listen, register};
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
@@ -380,6 +381,12 @@ impl worker_server::Worker for Svc {
         }))
     }
 
+    async fn reset(&self, req: Request<ResetRequest>) -> Result<Response<ResetReply>, Status> {
+        let fence = req.into_inner().fence;
+        let w = self.0.clone();
+        blocking(move || w.reset(fence)).await.map(Response::new)
+    }
+
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
         let w = &self.0;
         let link_stats = |f: fn(&omni_transport::LinkStats) -> &std::sync::atomic::AtomicU64| {
@@ -552,6 +559,28 @@ impl Worker {
         st.range = range.clone();
         Ok(FinishReply {
             held_bytes: self.stats.held_bytes.load(Ordering::Relaxed),
+            range: range.map(|r| r.to_string()).unwrap_or_default(),
+        })
+    }
+
+    /// Recovery: forgets every sequence and fences off the frames of the
+    /// broken pipeline still on their way; a pending move rolls back and a
+    /// standby stage is dropped.
+    fn reset(&self, fence: u64) -> Result<ResetReply, Status> {
+        let exec = {
+            let mut st = self.state.lock().unwrap();
+            st.prepared = None;
+            st.move_pending = false;
+            st.exec.clone()
+        };
+        let exec = exec.ok_or_else(|| {
+            Status::failed_precondition(format!("worker {} has loaded nothing", self.id))
+        })?;
+        let range = exec
+            .reset(fence)
+            .map_err(|e| Status::internal(format!("worker {}: {e}", self.id)))?;
+        self.state.lock().unwrap().range = range.clone();
+        Ok(ResetReply {
             range: range.map(|r| r.to_string()).unwrap_or_default(),
         })
     }

@@ -1,6 +1,9 @@
 //! `omnictl up`: a local cluster — one coordinator and N CPU-backed workers
 //! as child processes of this one. Every child's log lines are prefixed with
-//! its name; when any child exits, or on Ctrl-C, all of them are stopped.
+//! its name. It is also their supervisor: a worker that exits (a crash, an
+//! OOM kill) is started again with the same flags, registers again and the
+//! coordinator recovers; when the coordinator or the router exits, or on
+//! Ctrl-C, all of them are stopped.
 
 use anyhow::Context;
 use clap::Args;
@@ -140,7 +143,16 @@ pub const WORKER_SPINCOUNT: &str = "10000";
 /// A coordinator and its workers, started as children of this process.
 pub struct LocalCluster {
     pub children: Vec<(String, Child)>,
+    /// How each child was started (a worker is started again the same way).
+    commands: Vec<Command>,
+    /// When each child was restarted lately.
+    restarts: Vec<Vec<Instant>>,
+    quiet: bool,
 }
+
+/// A worker that exits more often than this within a minute is not
+/// restarted again: something is wrong that a restart does not fix.
+const MAX_RESTARTS_PER_MINUTE: usize = 5;
 
 impl LocalCluster {
     /// Starts the processes (it does not wait for readiness). With `quiet`
@@ -155,6 +167,9 @@ impl LocalCluster {
         let worker_bin = sibling_binary("omni-gpu-worker")?;
         let mut cluster = LocalCluster {
             children: Vec::new(),
+            commands: Vec::new(),
+            restarts: Vec::new(),
+            quiet,
         };
         let mut c = Command::new(&coordinator_bin);
         c.arg("--model")
@@ -192,9 +207,7 @@ impl LocalCluster {
             }
         };
         traced(&mut c);
-        cluster
-            .children
-            .push(("coordinator".into(), spawn_logged("coordinator", c, quiet)?));
+        cluster.add("coordinator", c)?;
         // Workers start once the coordinator holds its port: until then a
         // worker's own port 0 could be given that very port.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -222,9 +235,7 @@ impl LocalCluster {
                 w.args(["--memory", m]);
             }
             traced(&mut w);
-            cluster
-                .children
-                .push((name.clone(), spawn_logged(&name, w, quiet)?));
+            cluster.add(&name, w)?;
         }
         for i in 0..a.cpu_workers {
             let name = format!("c{i}");
@@ -244,9 +255,7 @@ impl LocalCluster {
                 w.args(["--memory", m]);
             }
             traced(&mut w);
-            cluster
-                .children
-                .push((name.clone(), spawn_logged(&name, w, quiet)?));
+            cluster.add(&name, w)?;
         }
         if a.port != 0 {
             let name = model
@@ -262,11 +271,46 @@ impl LocalCluster {
                 r.args(["--api-key", k]);
             }
             traced(&mut r);
-            cluster
-                .children
-                .push(("router".into(), spawn_logged("router", r, quiet)?));
+            cluster.add("router", r)?;
         }
         Ok(cluster)
+    }
+
+    fn add(&mut self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
+        let child = spawn_logged(name, &mut cmd, self.quiet)?;
+        self.children.push((name.to_string(), child));
+        self.commands.push(cmd);
+        self.restarts.push(Vec::new());
+        Ok(())
+    }
+
+    /// Starts again every worker that exited, as its supervisor; fails
+    /// when the coordinator or the router exited, or a worker keeps
+    /// exiting.
+    pub fn supervise(&mut self) -> anyhow::Result<()> {
+        for i in 0..self.children.len() {
+            let (name, child) = &mut self.children[i];
+            let Ok(Some(status)) = child.try_wait() else {
+                continue;
+            };
+            let name = name.clone();
+            if name == "coordinator" || name == "router" {
+                anyhow::bail!("{name} exited ({status}); stopping the cluster (its log is above)");
+            }
+            let recent = &mut self.restarts[i];
+            recent.retain(|t| t.elapsed() < Duration::from_secs(60));
+            if recent.len() >= MAX_RESTARTS_PER_MINUTE {
+                anyhow::bail!(
+                    "{name} exited ({status}) {} times within a minute; stopping the cluster (its log is above)",
+                    recent.len() + 1
+                );
+            }
+            recent.push(Instant::now());
+            eprintln!("omnictl: {name} exited ({status}); starting it again");
+            let child = spawn_logged(&name, &mut self.commands[i], self.quiet)?;
+            self.children[i].1 = child;
+        }
+        Ok(())
     }
 
     /// The first child that has exited, with its status.
@@ -340,10 +384,8 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             eprintln!("omnictl: stopping the cluster");
             break Ok(());
         }
-        if let Some((name, status)) = cluster.exited() {
-            break Err(anyhow::anyhow!(
-                "{name} exited ({status}); stopping the cluster (its log is above)"
-            ));
+        if let Err(e) = cluster.supervise() {
+            break Err(e);
         }
         if !announced {
             if let Ok(info) = rt.block_on(crate::remote::info(&a.listen, Duration::from_secs(1))) {
@@ -407,7 +449,7 @@ fn stop_all(children: &mut [(String, Child)]) {
 
 /// Starts `cmd` with its stdout and stderr forwarded line by line, each line
 /// prefixed with `[name]`.
-fn spawn_logged(name: &str, mut cmd: Command, quiet: bool) -> anyhow::Result<Child> {
+fn spawn_logged(name: &str, cmd: &mut Command, quiet: bool) -> anyhow::Result<Child> {
     // A group of its own: Ctrl-C reaches omnictl only, which then stops
     // the children in order instead of racing them.
     use std::os::unix::process::CommandExt;

@@ -8,6 +8,8 @@ use omni_proto::coordinator::v1::{
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
@@ -499,4 +501,208 @@ pub fn venv_tool(name: &str) -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// Streams running on their own thread; `progress` counts tokens received,
+/// `max_gap_us` is the longest wait between two events of any stream.
+pub struct Streams {
+    pub progress: Arc<AtomicUsize>,
+    pub max_gap_us: Arc<AtomicU64>,
+    pub handle: std::thread::JoinHandle<Vec<Result<Vec<u32>, String>>>,
+}
+
+/// Runs `reqs` at once against the coordinator at `addr`.
+pub fn start_streams(addr: &str, reqs: Vec<GenerateRequest>) -> Streams {
+    let progress = Arc::new(AtomicUsize::new(0));
+    let max_gap_us = Arc::new(AtomicU64::new(0));
+    let (p, gap) = (progress.clone(), max_gap_us.clone());
+    let addr = format!("http://{addr}");
+    let handle = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let mut tasks = Vec::new();
+            for req in reqs {
+                let (addr, p, gap) = (addr.clone(), p.clone(), gap.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut c = InferenceClient::connect(addr)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let mut s = c
+                        .generate(req)
+                        .await
+                        .map_err(|e| e.message().to_string())?
+                        .into_inner();
+                    let mut out = Vec::new();
+                    let mut last = None;
+                    while let Some(ev) = s.next().await {
+                        let ev = ev.map_err(|e| e.message().to_string())?;
+                        if let Some(t) = last.replace(Instant::now()) {
+                            let us = t.elapsed().as_micros() as u64;
+                            gap.fetch_max(us, Ordering::Relaxed);
+                        }
+                        p.fetch_add(ev.tokens.len(), Ordering::Relaxed);
+                        out.extend(ev.tokens.iter().map(|t| t.id));
+                    }
+                    Ok(out)
+                }));
+            }
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap());
+            }
+            out
+        })
+    });
+    Streams {
+        progress,
+        max_gap_us,
+        handle,
+    }
+}
+
+impl Streams {
+    /// Waits until the streams received `tokens` tokens in all.
+    pub fn wait_for(&self, tokens: usize) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while self.progress.load(Ordering::Relaxed) < tokens {
+            assert!(Instant::now() < deadline, "the streams made no progress");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Every stream finished without an error and with the tokens it got alone.
+pub fn same_tokens(results: &[Result<Vec<u32>, String>], alone: &[Vec<u32>], across: &str) {
+    assert_eq!(results.len(), alone.len());
+    for (i, (r, want)) in results.iter().zip(alone).enumerate() {
+        let got = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
+        assert_eq!(got, want, "stream {i}'s tokens changed across {across}");
+    }
+}
+
+/// `omnictl up`, the local launcher and supervisor, with its output in a
+/// log file; no router.
+pub struct Supervised {
+    pub proc: Proc,
+    pub addr: String,
+    pub admin_addr: String,
+    pub rt: tokio::runtime::Runtime,
+    _dir: tempfile::TempDir,
+}
+
+impl Supervised {
+    /// Starts `omnictl up --model MODEL ARGS` (with `env` set for it and its
+    /// children) and waits until the cluster serves.
+    pub fn start(model: &Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let admin_addr = format!("127.0.0.1:{}", free_port());
+        let mut cmd = Command::new(target_bin("omnictl"));
+        cmd.arg("up")
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--listen",
+                &addr,
+                "--admin-listen",
+                &admin_addr,
+                "--port",
+                "0",
+            ])
+            .args(args)
+            .env("OMNI_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let s = Supervised {
+            proc: Proc::spawn("omnictl-up", cmd, dir.path()),
+            addr,
+            admin_addr,
+            rt: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime"),
+            _dir: dir,
+        };
+        s.wait_ready(Duration::from_secs(120));
+        s
+    }
+
+    pub fn info(&self) -> Result<InfoReply, String> {
+        let addr = format!("http://{}", self.addr);
+        self.rt.block_on(async {
+            let ch = tonic::transport::Endpoint::from_shared(addr)
+                .map_err(|e| e.to_string())?
+                .connect_timeout(Duration::from_secs(2))
+                .timeout(Duration::from_secs(5))
+                .connect()
+                .await
+                .map_err(|e| e.to_string())?;
+            InferenceClient::new(ch)
+                .info(InfoRequest {})
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| s.message().to_string())
+        })
+    }
+
+    /// Waits until the coordinator says it serves (panics with the log).
+    pub fn wait_ready(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.info().is_ok_and(|i| i.ready) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not serve within {timeout:?}\n{}",
+                self.proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The pid of the child started with `--id ID` (a worker), if running.
+    pub fn pid_of(&self, id: &str) -> Option<i32> {
+        let parent = self.proc.child.id().to_string();
+        let want = format!("--id\0{id}\0");
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // pid (comm) state ppid ...: comm may hold spaces, so after ')'.
+            let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (ppid == parent && String::from_utf8_lossy(&cmdline).contains(&want)).then_some(pid)
+        })
+    }
+
+    /// Sends `signal` (e.g. "-9", "-STOP") to worker `id`; returns its pid.
+    pub fn signal(&self, id: &str, signal: &str) -> i32 {
+        let pid = self
+            .pid_of(id)
+            .unwrap_or_else(|| panic!("no process {id}\n{}", self.proc.log_text()));
+        let ok = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {signal} {pid}");
+        pid
+    }
+}
+
+impl Drop for Supervised {
+    /// SIGTERM: `omnictl up` stops its children (up to 5 s each) before it
+    /// exits; only then the harness's own clean-up.
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.proc.child.id().to_string()])
+            .status();
+        self.proc.wait_exit(Duration::from_secs(15));
+    }
 }

@@ -267,9 +267,16 @@ fn worker_that_never_registers_is_reported() {
 }
 
 #[test]
-fn worker_dying_mid_request_ends_the_stream_with_a_clear_error() {
+fn worker_dying_mid_request_ends_the_stream_with_a_clear_error_when_it_cannot_recover() {
     let _g = serial();
-    let mut c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
+    // Nobody restarts w1 here, and re-planning without it is put off past
+    // the recovery deadline: the request must end, naming w1 (recovery
+    // itself is tests/tests/recovery.rs).
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.coordinator_args = ["--recovery-timeout", "2", "--rejoin-timeout", "600"]
+        .map(String::from)
+        .to_vec();
+    let mut c = Cluster::start(&model(GEMMA), &spec);
     let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let (msg, after) =
         c.kill_mid_stream(greedy(&prompt, 900), |c| c.workers[1].kill9(), "w1", BOUND);

@@ -186,16 +186,19 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
     }
 }
 
-/// A request in flight when the expert worker is killed ends, within a
-/// bound, with an error naming the expert worker; the coordinator then says
-/// why it cannot serve.
+/// A request in flight when the expert worker is killed, and nobody
+/// restarts it, ends within a bound with an error naming the expert worker
+/// (recovery gives up after `--recovery-timeout`); the coordinator then
+/// says why it cannot serve. (With a supervisor it recovers:
+/// tests/tests/recovery.rs.)
 #[test]
-fn killing_the_cpu_worker_mid_request_ends_the_stream_with_a_clear_error() {
+fn killing_the_cpu_worker_for_good_ends_the_stream_with_a_clear_error() {
     let _g = serial();
     let path = file("deepseek2-mla-f32");
     let (prompt, _) = generations("deepseek2-mla-f32").remove(0);
     for transport in ["shm", "grpc"] {
-        let mut c = Cluster::start(&path, &expert_spec(transport, &["--experts", "cpu"]));
+        let spec = expert_spec(transport, &["--experts", "cpu", "--recovery-timeout", "2"]);
+        let mut c = Cluster::start(&path, &spec);
         let n = 1024 - prompt.len() - 1;
         let (msg, after) = c.kill_mid_stream(
             greedy(&prompt, n),

@@ -19,12 +19,11 @@
 use omni_proto::coordinator::v1::GenerateRequest;
 use omni_proto::worker::v1::Sampling;
 use omni_tests::fixtures::{model, GEMMA};
-use omni_tests::{greedy, ids, target_bin, Cluster, ClusterSpec};
+use omni_tests::{greedy, ids, same_tokens, start_streams, target_bin, Cluster, ClusterSpec};
 use serde_json::Value;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 const TOKEN: &str = "move-4c1d";
 const N_GEN: usize = 64;
@@ -120,77 +119,6 @@ fn split_of(plan: &Value) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// Streams running on their own thread; `progress` counts tokens received.
-struct Streams {
-    progress: Arc<AtomicUsize>,
-    handle: std::thread::JoinHandle<Vec<Result<Vec<u32>, String>>>,
-}
-
-fn start_streams(c: &Cluster, reqs: Vec<GenerateRequest>) -> Streams {
-    let progress = Arc::new(AtomicUsize::new(0));
-    let p = progress.clone();
-    let addr = format!("http://{}", c.addr);
-    let handle = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let mut tasks = Vec::new();
-            for req in reqs {
-                let (addr, p) = (addr.clone(), p.clone());
-                tasks.push(tokio::spawn(async move {
-                    use omni_proto::coordinator::v1::inference_client::InferenceClient;
-                    use tokio_stream::StreamExt;
-                    let mut c = InferenceClient::connect(addr)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let mut s = c
-                        .generate(req)
-                        .await
-                        .map_err(|e| e.message().to_string())?
-                        .into_inner();
-                    let mut out = Vec::new();
-                    while let Some(ev) = s.next().await {
-                        let ev = ev.map_err(|e| e.message().to_string())?;
-                        p.fetch_add(ev.tokens.len(), Ordering::Relaxed);
-                        out.extend(ev.tokens.iter().map(|t| t.id));
-                    }
-                    Ok(out)
-                }));
-            }
-            let mut out = Vec::new();
-            for t in tasks {
-                out.push(t.await.unwrap());
-            }
-            out
-        })
-    });
-    Streams { progress, handle }
-}
-
-impl Streams {
-    fn wait_for(&self, tokens: usize) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while self.progress.load(Ordering::Relaxed) < tokens {
-            assert!(Instant::now() < deadline, "the streams made no progress");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-/// Every stream finished without an error and with the tokens it got alone.
-fn same_tokens(results: &[Result<Vec<u32>, String>], alone: &[Vec<u32>], across: &str) {
-    assert_eq!(results.len(), alone.len());
-    for (i, (r, want)) in results.iter().zip(alone).enumerate() {
-        let got = r
-            .as_ref()
-            .unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
-        assert_eq!(got, want, "stream {i}'s tokens changed across {across}");
-    }
-}
-
 fn seeded(prompt: &[u32]) -> GenerateRequest {
     GenerateRequest {
         sampling: Some(Sampling {
@@ -221,7 +149,7 @@ fn layers_move_forward_and_back_under_four_streams_without_changing_a_token() {
     let start = split_of(&serde_json::from_str(&plan_json(&c)).unwrap());
     assert_eq!(start.len(), 3);
     let before = workers(&c);
-    let streams = start_streams(&c, reqs);
+    let streams = start_streams(&c.addr, reqs);
     streams.wait_for(8);
     // Forward (w0's last two layers to w1), forward again (w1's last two to
     // w2), back (w2's first three to w1), back again (w1's first four to w0).
@@ -310,7 +238,7 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     // stream, penalty history).
     let sampled = seeded(&ps[3]);
     let want = ids(&c.generate(sampled.clone()).unwrap());
-    let stream = start_streams(&c, vec![sampled]);
+    let stream = start_streams(&c.addr, vec![sampled]);
     stream.wait_for(8);
     move_ok(&c, &["drain", "w2"]);
     move_ok(&c, &["undrain", "w2"]);
@@ -326,7 +254,7 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
         .collect();
     let before = worker_memory(&workers(&c));
 
-    let streams = start_streams(&c, reqs.clone());
+    let streams = start_streams(&c.addr, reqs.clone());
     streams.wait_for(8);
     let v = move_ok(&c, &["drain", "w2"]);
     let plan = split_of(&v["plan"]);
@@ -352,7 +280,7 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     assert_eq!(info.stages.len(), 2, "{:?}", info.stages);
 
     // Draining the first worker as well moves the embedding to w1.
-    let streams = start_streams(&c, reqs.clone());
+    let streams = start_streams(&c.addr, reqs.clone());
     streams.wait_for(8);
     let v = move_ok(&c, &["drain", "w0"]);
     assert_eq!(split_of(&v["plan"]), vec![("w1".to_string(), 18)]);
@@ -508,7 +436,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
         .iter()
         .map(|r| ids(&c.generate(r.clone()).unwrap()))
         .collect();
-    let streams = start_streams(&c, reqs);
+    let streams = start_streams(&c.addr, reqs);
     streams.wait_for(4);
     // Layer 1 to w1, which now calls c0 for it; then layers 1-2 to w0.
     move_ok(&c, &["rebalance", "--layers", "1", "--to", "w1"]);
