@@ -227,6 +227,8 @@ impl inference_server::Inference for InferenceSvc {
         info.expert_wait_ms_p50 = p50;
         info.expert_wait_ms_mean = mean;
         info.expert_wait_samples = n as u64;
+        info.queue_depth = self.0.metrics.queue_depth.get().max(0) as u32;
+        info.active_sequences = self.0.metrics.active_sequences.get().max(0) as u32;
         Ok(Response::new(info))
     }
 }

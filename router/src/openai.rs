@@ -91,6 +91,10 @@ struct ErrorObject<'a> {
     code: Option<&'a str>,
 }
 
+/// The `Retry-After` of a 503: a recovery takes about a second when the
+/// supervisor restarts a worker at once.
+pub const UNAVAILABLE_RETRY_S: u64 = 2;
+
 impl ApiError {
     fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
         Self {
@@ -221,9 +225,13 @@ impl ApiError {
         e
     }
 
-    /// 503: a backend cannot take requests now (not ready, restarting, unreachable).
+    /// 503: a backend cannot take requests now (not ready, recovering from a
+    /// lost worker with its queue full, unreachable); clients may retry
+    /// after [`UNAVAILABLE_RETRY_S`].
     pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(503, SERVER_ERROR, message)
+        let mut e = Self::new(503, SERVER_ERROR, message);
+        e.retry_after = Some(UNAVAILABLE_RETRY_S);
+        e
     }
 
     /// 504: the backend did not answer in time.

@@ -437,6 +437,18 @@ pub fn http(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> (u16, String) {
+    let (status, _, body) = http_with_head(addr, method, path, headers, body);
+    (status, body)
+}
+
+/// [`http`], with the response head (status line and headers) too.
+pub fn http_with_head(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String, String) {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut req = format!(
@@ -468,7 +480,7 @@ pub fn http(
     } else {
         rest.to_string()
     };
-    (status, body)
+    (status, head.to_string(), body)
 }
 
 fn dechunk(mut s: &str) -> String {
