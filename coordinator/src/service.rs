@@ -57,7 +57,9 @@ impl registry_server::Registry for RegistrySvc {
                     self.0.cfg.workers, self.0.cfg.cpu_workers
                 ))
             })?;
-            if let Some(ev) = self.0.events.lock().unwrap().as_ref() {
+            // A drained worker runs nothing: the pipeline is not hurt.
+            let drained = self.0.admin.is_drained(&id);
+            if let Some(ev) = self.0.events.lock().unwrap().as_ref().filter(|_| !drained) {
                 let _ = ev.send(Event::WorkerLost {
                     worker: format!("{id} ({addr})"),
                     why: "it restarted (it registered again)".into(),

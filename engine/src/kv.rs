@@ -307,20 +307,7 @@ impl KvCache {
 
     /// Assigns a free cell to each (seq, pos). All or nothing: on error no cell is taken.
     pub fn allocate(&mut self, seqs: &[u32], pos: &[i32]) -> Result<Vec<i64>, EngineError> {
-        for (&s, &p) in seqs.iter().zip(pos) {
-            if s as usize >= self.cfg.n_seq {
-                return Err(EngineError::Config(format!(
-                    "sequence id {s} is out of range: the KV cache holds {} sequences",
-                    self.cfg.n_seq
-                )));
-            }
-            if p < 0 || p as usize >= self.cfg.n_ctx {
-                return Err(EngineError::ContextFull {
-                    pos: p.max(0) as usize,
-                    n_ctx: self.cfg.n_ctx,
-                });
-            }
-        }
+        self.check_tokens(seqs, pos)?;
         let free = self.cells.len() - self.used();
         if free < seqs.len() {
             return Err(EngineError::KvFull {
@@ -343,10 +330,9 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Puts each (seq, pos) into the given cell, as `allocate` would have
-    /// chosen it earlier (a replay laying a sequence's cache out as before).
-    /// All or nothing: every cell must be in range, free and named once.
-    pub fn place(&mut self, seqs: &[u32], pos: &[i32], cells: &[i64]) -> Result<(), EngineError> {
+    /// Every sequence id within the cache's sequences, every position
+    /// within its context.
+    fn check_tokens(&self, seqs: &[u32], pos: &[i32]) -> Result<(), EngineError> {
         for (&s, &p) in seqs.iter().zip(pos) {
             if s as usize >= self.cfg.n_seq {
                 return Err(EngineError::Config(format!(
@@ -361,6 +347,14 @@ impl KvCache {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Puts each (seq, pos) into the given cell, as `allocate` would have
+    /// chosen it earlier (a replay laying a sequence's cache out as before).
+    /// All or nothing: every cell must be in range, free and named once.
+    pub fn place(&mut self, seqs: &[u32], pos: &[i32], cells: &[i64]) -> Result<(), EngineError> {
+        self.check_tokens(seqs, pos)?;
         for (i, &c) in cells.iter().enumerate() {
             let taken = usize::try_from(c)
                 .ok()

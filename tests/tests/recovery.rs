@@ -40,9 +40,7 @@ fn requests() -> Vec<GenerateRequest> {
 
 /// Two stages (layers 2,2) and one expert worker, 4 sequences.
 fn cluster(env: &[(&str, &str)]) -> Supervised {
-    let mut env = env.to_vec();
-    env.extend([("OMNI_MICRO_BATCHES", "4"), ("OMNI_HEALTH_INTERVAL", "0.5")]);
-    Supervised::start(
+    supervised(
         &model(),
         &[
             "--stages",
@@ -53,17 +51,39 @@ fn cluster(env: &[(&str, &str)]) -> Supervised {
             "cpu",
             "--layers",
             "2,2",
-            "--ctx",
-            "512",
-            "--seqs",
-            "4",
-            "--threads",
-            "1",
-            "--transport",
-            "shm",
         ],
-        &env,
+        env,
     )
+}
+
+/// `omnictl up` with 4 sequences of 512 tokens, one micro-batch group per
+/// sequence, one thread per worker, shared memory, health every 0.5 s.
+fn supervised(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
+    let mut env = env.to_vec();
+    env.extend([("OMNI_MICRO_BATCHES", "4"), ("OMNI_HEALTH_INTERVAL", "0.5")]);
+    let mut args = args.to_vec();
+    args.extend([
+        "--ctx",
+        "512",
+        "--seqs",
+        "4",
+        "--threads",
+        "1",
+        "--transport",
+        "shm",
+    ]);
+    Supervised::start(model, &args, &env)
+}
+
+/// The streams' tokens on the cluster as it is (the run to compare with).
+fn clean_run(c: &Supervised, reqs: Vec<GenerateRequest>) -> Vec<Vec<u32>> {
+    start_streams(&c.addr, reqs)
+        .handle
+        .join()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.expect("the clean run"))
+        .collect()
 }
 
 /// Runs the 4 streams, doing `hurt` once they are a few tokens in; checks
@@ -96,11 +116,7 @@ fn run_through(
 #[test]
 fn streams_survive_kill_9_of_the_first_stage_the_last_stage_and_the_cpu_worker() {
     let c = cluster(&[]);
-    let clean = start_streams(&c.addr, requests()).handle.join().unwrap();
-    let want: Vec<Vec<u32>> = clean
-        .into_iter()
-        .map(|r| r.expect("the clean run"))
-        .collect();
+    let want = clean_run(&c, requests());
     let mut report = Vec::new();
     for victim in ["w0", "w1", "c0"] {
         let mut old = 0;
@@ -133,35 +149,16 @@ fn streams_survive_kill_9_of_the_first_stage_the_last_stage_and_the_cpu_worker()
 /// killed.
 #[test]
 fn gemma_streams_survive_kill_9_of_a_middle_stage() {
-    let c = Supervised::start(
+    let c = supervised(
         &omni_tests::fixtures::model(omni_tests::fixtures::GEMMA),
-        &[
-            "--stages",
-            "3",
-            "--layers",
-            "7,5,6",
-            "--ctx",
-            "512",
-            "--seqs",
-            "4",
-            "--threads",
-            "1",
-            "--transport",
-            "shm",
-        ],
-        &[("OMNI_MICRO_BATCHES", "4"), ("OMNI_HEALTH_INTERVAL", "0.5")],
+        &["--stages", "3", "--layers", "7,5,6"],
+        &[],
     );
     let reqs: Vec<GenerateRequest> = omni_tests::short_prompts("real_gemma3_270m.json", 4)
         .iter()
         .map(|p| greedy(p, 48))
         .collect();
-    let want: Vec<Vec<u32>> = start_streams(&c.addr, reqs.clone())
-        .handle
-        .join()
-        .unwrap()
-        .into_iter()
-        .map(|r| r.expect("the clean run"))
-        .collect();
+    let want = clean_run(&c, reqs.clone());
     let stall = run_through(&c, reqs, &want, "kill -9 w1", |c| {
         c.signal("w1", "-9");
     });
@@ -177,13 +174,7 @@ fn gemma_streams_survive_kill_9_of_a_middle_stage() {
 #[test]
 fn a_stopped_worker_is_found_by_its_heartbeat_and_the_others_take_its_layers() {
     let c = cluster(&[("OMNI_REJOIN_TIMEOUT", "2")]);
-    let want: Vec<Vec<u32>> = start_streams(&c.addr, requests())
-        .handle
-        .join()
-        .unwrap()
-        .into_iter()
-        .map(|r| r.expect("the clean run"))
-        .collect();
+    let want = clean_run(&c, requests());
     let mut detected = None;
     let stall = run_through(&c, requests(), &want, "SIGSTOP w1", |c| {
         c.signal("w1", "-STOP");
