@@ -373,11 +373,12 @@ impl Scheduler {
             self.fail_all(why);
             return;
         }
-        for g in &mut self.groups {
-            *g = None;
-        }
-        for r in &mut self.replay {
-            r.clear();
+        // A replay cut short is replayed again from where it got: its steps
+        // in flight and still to send go back to the log, in order.
+        for g in 0..self.groups.len() {
+            let cut = self.groups[g].take().filter(|f| f.replay);
+            let rest = std::mem::take(&mut self.replay[g]);
+            self.logs[g].extend(cut.map(|f| f.entries).into_iter().chain(rest));
         }
         self.control_in_flight = 0;
         if let Some(p) = self.pausing.take() {
@@ -633,10 +634,13 @@ impl Scheduler {
         };
         let mut owners = HashMap::new();
         let mut placed = true;
+        // Only live sequences' parts (the entries name the step's tokens).
+        let entries: Vec<Entry> = entries
+            .into_iter()
+            .filter(|e| self.seqs.contains_key(&e.seq))
+            .collect();
         for e in &entries {
-            let Some(s) = self.seqs.get(&e.seq) else {
-                continue;
-            };
+            let s = &self.seqs[&e.seq];
             for p in e.from..e.from + e.n {
                 step.tokens.push(s.tokens[p]);
                 step.positions.push(p as i32);
@@ -661,13 +665,6 @@ impl Scheduler {
         if !placed {
             step.cells.clear();
         }
-        let entries = entries
-            .into_iter()
-            .map(|e| Entry {
-                cells: Vec::new(),
-                ..e
-            })
-            .collect();
         Some((
             step,
             Flight {
