@@ -269,17 +269,23 @@ fn worker_that_never_registers_is_reported() {
 #[test]
 fn worker_dying_mid_request_ends_the_stream_with_a_clear_error_when_it_cannot_recover() {
     let _g = serial();
-    // Nobody restarts w1 here, and re-planning without it is put off past
-    // the recovery deadline: the request must end, naming w1 (recovery
-    // itself is tests/tests/recovery.rs).
+    // Nobody restarts w1 here, and w0 alone cannot hold the model (each
+    // worker offers 900 MiB; the model needs 928 MiB on one): after the
+    // rejoin timeout the planner refuses, and at the recovery deadline the
+    // request ends, saying why (recovery itself is tests/tests/recovery.rs).
     let mut spec = ClusterSpec::new(2, "shm");
-    spec.coordinator_args = ["--recovery-timeout", "2", "--rejoin-timeout", "600"]
+    spec.coordinator_args = ["--recovery-timeout", "4", "--rejoin-timeout", "1"]
         .map(String::from)
         .to_vec();
+    spec.worker_args = vec![vec!["--memory".into(), "900MiB".into()]; 2];
     let mut c = Cluster::start(&model(GEMMA), &spec);
     let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let (msg, after) =
         c.kill_mid_stream(greedy(&prompt, 900), |c| c.workers[1].kill9(), "w1", BOUND);
+    assert!(
+        msg.contains("could not recover within 4s") && msg.contains("cannot take its layers"),
+        "{msg}"
+    );
     eprintln!(
         "worker killed: stream ended after {:.2}s with: {msg}",
         after.as_secs_f64()
