@@ -338,7 +338,12 @@ impl ModelFile {
     /// Nothing is computed and no weight is read.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<ModelFile>, EngineError> {
         let path = path.as_ref();
-        let gguf = Gguf::open(path)?;
+        Self::from_gguf(Gguf::open(path)?, path)
+    }
+
+    /// [`ModelFile::open`]'s checks on a GGUF already parsed (e.g. from
+    /// memory with [`Gguf::from_bytes`]); `path` is only what it is called.
+    pub fn from_gguf(gguf: Gguf, path: &Path) -> Result<Arc<ModelFile>, EngineError> {
         let arch_name = gguf
             .check_architecture(SUPPORTED_ARCHITECTURES)?
             .to_string();
@@ -710,6 +715,27 @@ mod tests {
             .expect("fixtures: ../shared/fixtures beside the checkout, or OMNI_FIXTURES_DIR"),
         };
         ModelFile::open(dir.join("synthetic").join(file)).unwrap()
+    }
+
+    /// A model parsed from memory is the model opened from its file, and is
+    /// refused for the same reasons.
+    #[test]
+    fn from_gguf_in_memory_matches_open() {
+        let opened = synthetic("tiny-qwen3moe-q4_k_m.gguf");
+        let bytes = std::fs::read(&opened.path).unwrap();
+        let g = Gguf::from_bytes(bytes.clone()).unwrap();
+        let m = ModelFile::from_gguf(g, Path::new("in memory")).unwrap();
+        assert_eq!(m.hparams, opened.hparams);
+        assert_eq!(m.path, Path::new("in memory"));
+
+        // Renamed so that the architecture is one nobody runs.
+        let at = bytes.windows(8).position(|w| w == b"qwen3moe").unwrap();
+        let mut other = bytes;
+        other[at..at + 8].copy_from_slice(b"qwen9moe");
+        let err = ModelFile::from_gguf(Gguf::from_bytes(other).unwrap(), Path::new("x"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("'qwen9moe' is not supported"), "{err}");
     }
 
     /// Expert bytes are exactly the three `ffn_*_exps` tensors of each MoE
