@@ -11,27 +11,44 @@
 
 pub mod chat;
 pub mod error;
-pub mod experts;
-mod ffi;
-pub mod generate;
 pub mod gguf;
-pub mod kv;
-pub mod model;
 pub mod sampling;
-pub mod stage;
-pub mod tokenizer;
 pub mod units;
 
+// The rest links ggml (the `ggml` feature, on by default): without it the crate is only
+// the modules above, which the fuzz targets (`fuzz/`) build without building llama.cpp.
+#[cfg(feature = "ggml")]
+pub mod experts;
+#[cfg(feature = "ggml")]
+mod ffi;
+#[cfg(feature = "ggml")]
+pub mod generate;
+#[cfg(feature = "ggml")]
+pub mod kv;
+#[cfg(feature = "ggml")]
+pub mod model;
+#[cfg(feature = "ggml")]
+pub mod stage;
+#[cfg(feature = "ggml")]
+pub mod tokenizer;
+
 pub use error::EngineError;
+#[cfg(feature = "ggml")]
 pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};
+#[cfg(feature = "ggml")]
 pub use generate::{Engine, GenerateOptions, Generation};
+#[cfg(feature = "ggml")]
 pub use kv::{KvConfig, KvLayer, KvLayers};
+#[cfg(feature = "ggml")]
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
+#[cfg(feature = "ggml")]
 pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput};
+#[cfg(feature = "ggml")]
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use units::{fmt_bytes, parse_size};
 
 /// The CPU features the linked ggml uses on this machine (for `omnictl bench`).
+#[cfg(feature = "ggml")]
 pub fn cpu_features() -> Vec<&'static str> {
     ffi::ggml::cpu_features()
 }
@@ -39,6 +56,7 @@ pub fn cpu_features() -> Vec<&'static str> {
 /// llama.cpp's own greedy decoding of a whole model (same vendored source
 /// and build flags as our ggml), as a reference for tests and checks:
 /// per step, the chosen id and the logits.
+#[cfg(feature = "ggml")]
 pub fn llama_cpp_greedy(
     path: &std::path::Path,
     prompt: &[u32],
@@ -53,6 +71,7 @@ pub use gguf::GgmlType;
 
 /// A real matmul through our ggml build against a plain Rust reference:
 /// returns `(ggml, reference)` outputs of `W x` with `W` stored as `ty`.
+#[cfg(feature = "ggml")]
 pub fn ggml_matmul_check(
     ty: GgmlType,
     w: &[f32],

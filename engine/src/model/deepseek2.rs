@@ -14,7 +14,10 @@
 //!   for every head and cached as in plain multi-head attention.
 
 use super::layers::{Activation, LayerCx};
-use super::{key, opt, req, req_exps, ExpertGating, Hparams, MlaHparams, MoeInput, TensorSpec};
+use super::{
+    at_most, key, opt, req, req_exps, ExpertGating, Hparams, MlaHparams, MoeInput, TensorSpec,
+    MAX_HEAD_DIM,
+};
 use crate::error::EngineError;
 use crate::ffi::ggml::{row_size, Tensor};
 use crate::gguf::Gguf;
@@ -28,10 +31,13 @@ pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineErr
     if kv_lora_rank == 0 {
         return bad(k("attention.kv_lora_rank"), "must be positive".into());
     }
+    at_most(k("attention.kv_lora_rank"), kv_lora_rank, MAX_HEAD_DIM)?;
     // Without the key (DeepSeek-V2-Lite style files), a plain `attn_q`.
     let q_lora_rank = g.opt_u32(&k("attention.q_lora_rank"))?.unwrap_or(0);
     let key_mla = g.opt_u32(&k("attention.key_length_mla"))?.unwrap_or(0);
     let value_mla = g.opt_u32(&k("attention.value_length_mla"))?.unwrap_or(0);
+    at_most(k("attention.key_length_mla"), key_mla, MAX_HEAD_DIM)?;
+    at_most(k("attention.value_length_mla"), value_mla, MAX_HEAD_DIM)?;
     if (key_mla == 0) != (value_mla == 0) {
         return bad(
             k("attention.key_length_mla"),
@@ -123,6 +129,16 @@ pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineErr
             return bad(
                 k("expert_shared_count"),
                 "deepseek2 MoE blocks need at least one shared expert".into(),
+            );
+        }
+        // The shared experts are one FFN `n_expert_shared` experts wide.
+        if moe.n_ff_exp.checked_mul(n_expert_shared).is_none() {
+            return bad(
+                k("expert_shared_count"),
+                format!(
+                    "{n_expert_shared} shared experts of width {} overflow a u32",
+                    moe.n_ff_exp
+                ),
             );
         }
         // llama.cpp's default scale 0 means none, as our 1.

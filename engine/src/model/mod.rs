@@ -338,7 +338,12 @@ impl ModelFile {
     /// Nothing is computed and no weight is read.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<ModelFile>, EngineError> {
         let path = path.as_ref();
-        let gguf = Gguf::open(path)?;
+        Self::from_gguf(Gguf::open(path)?, path)
+    }
+
+    /// [`ModelFile::open`]'s checks on a GGUF already parsed (e.g. from
+    /// memory with [`Gguf::from_bytes`]); `path` is only what it is called.
+    pub fn from_gguf(gguf: Gguf, path: &Path) -> Result<Arc<ModelFile>, EngineError> {
         let arch_name = gguf
             .check_architecture(SUPPORTED_ARCHITECTURES)?
             .to_string();
@@ -470,6 +475,24 @@ impl ModelFile {
     }
 }
 
+/// The most attention heads, and the widest head, a file may declare. Tensor
+/// widths are products of them in u32 (`n_head * head_dim`, deepseek2's
+/// `n_head * (nope + v)`), which these bounds keep from overflowing; today's
+/// models have at most 128 heads of 576.
+pub(crate) const MAX_HEADS: u32 = 1 << 12;
+pub(crate) const MAX_HEAD_DIM: u32 = 1 << 16;
+
+/// `v`, if it is at most `max`; else a `BadHparam` naming `key`.
+pub(crate) fn at_most(key: String, v: u32, max: u32) -> Result<u32, EngineError> {
+    if v > max {
+        return Err(EngineError::BadHparam {
+            key,
+            why: format!("{v} is more than the {max} this engine accepts"),
+        });
+    }
+    Ok(v)
+}
+
 fn key(arch: Arch, k: &str) -> String {
     format!("{}.{k}", arch.name())
 }
@@ -546,6 +569,14 @@ fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError> {
         .unwrap_or(n_embd / n_head);
     positive(k("attention.key_length"), head_dim_k)?;
     positive(k("attention.value_length"), head_dim_v)?;
+    for (name, v, max) in [
+        ("attention.head_count", n_head, MAX_HEADS),
+        ("attention.head_count_kv", n_head_kv, MAX_HEADS),
+        ("attention.key_length", head_dim_k, MAX_HEAD_DIM),
+        ("attention.value_length", head_dim_v, MAX_HEAD_DIM),
+    ] {
+        at_most(k(name), v, max)?;
+    }
     let n_ctx_train = g.get_u32(&k("context_length"))?;
     let rms_eps = g.get_f32(&k("attention.layer_norm_rms_epsilon"))?;
     let n_rot = g.opt_u32(&k("rope.dimension_count"))?.unwrap_or(head_dim_k);
@@ -710,6 +741,86 @@ mod tests {
             .expect("fixtures: ../shared/fixtures beside the checkout, or OMNI_FIXTURES_DIR"),
         };
         ModelFile::open(dir.join("synthetic").join(file)).unwrap()
+    }
+
+    /// A model parsed from memory is the model opened from its file, and is
+    /// refused for the same reasons.
+    #[test]
+    fn from_gguf_in_memory_matches_open() {
+        let opened = synthetic("tiny-qwen3moe-q4_k_m.gguf");
+        let bytes = std::fs::read(&opened.path).unwrap();
+        let g = Gguf::from_bytes(bytes.clone()).unwrap();
+        let m = ModelFile::from_gguf(g, Path::new("in memory")).unwrap();
+        assert_eq!(m.hparams, opened.hparams);
+        assert_eq!(m.path, Path::new("in memory"));
+
+        // Renamed so that the architecture is one nobody runs.
+        let at = bytes.windows(8).position(|w| w == b"qwen3moe").unwrap();
+        let mut other = bytes;
+        other[at..at + 8].copy_from_slice(b"qwen9moe");
+        let err = ModelFile::from_gguf(Gguf::from_bytes(other).unwrap(), Path::new("x"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("'qwen9moe' is not supported"), "{err}");
+    }
+
+    /// The error opening `file` with the u32 metadata values `patches` put in.
+    fn open_patched(file: &str, patches: &[(&str, u32)]) -> String {
+        let mut bytes = std::fs::read(&synthetic(file).path).unwrap();
+        for (key, v) in patches {
+            // The key's length, the key, the type (4: u32), then the value.
+            let mut entry = (key.len() as u64).to_le_bytes().to_vec();
+            entry.extend(key.as_bytes());
+            entry.extend(4u32.to_le_bytes());
+            let at = bytes.windows(entry.len()).position(|w| w == entry);
+            let at = at.unwrap_or_else(|| panic!("{file} has no u32 {key}")) + entry.len();
+            bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        let g = Gguf::from_bytes(bytes).unwrap();
+        ModelFile::from_gguf(g, Path::new(file))
+            .unwrap_err()
+            .to_string()
+    }
+
+    /// Head counts and sizes whose products overflow a u32 are refused by
+    /// name (they overflowed computing the tensor shapes; found by fuzzing).
+    #[test]
+    fn huge_head_sizes_are_refused() {
+        let refused = |file: &str, patches: &[(&str, u32)], want: &str| {
+            let err = open_patched(file, patches);
+            assert!(err.contains(want), "{file} {patches:?}: {err}");
+        };
+        let (moe, mla, legacy) = (
+            "tiny-qwen3moe-q4_k_m.gguf",
+            "tiny-deepseek2-mla-q4_k_m.gguf",
+            "tiny-deepseek2-legacy-q4_k_m.gguf",
+        );
+        refused(
+            moe,
+            &[
+                ("qwen3moe.attention.key_length", 1 << 31),
+                ("qwen3moe.attention.value_length", 1 << 31),
+            ],
+            "'qwen3moe.attention.key_length': 2147483648 is more than the 65536",
+        );
+        refused(
+            moe,
+            &[
+                ("qwen3moe.attention.head_count", 1 << 30),
+                ("qwen3moe.attention.head_count_kv", 1 << 30),
+            ],
+            "'qwen3moe.attention.head_count': 1073741824 is more than the 4096",
+        );
+        refused(
+            mla,
+            &[("deepseek2.attention.kv_lora_rank", u32::MAX)],
+            "'deepseek2.attention.kv_lora_rank': 4294967295 is more than the 65536",
+        );
+        refused(
+            legacy,
+            &[("deepseek2.expert_shared_count", 1 << 30)],
+            "'deepseek2.expert_shared_count': 1073741824 shared experts of width 128 overflow",
+        );
     }
 
     /// Expert bytes are exactly the three `ffn_*_exps` tensors of each MoE
