@@ -261,7 +261,7 @@ impl admin_server::Admin for AdminSvc {
                 ..Default::default()
             };
             if w.kind == WorkerKind::Stage {
-                match status(&w.addr).await {
+                match status(&w.addr, Duration::from_secs(2)).await {
                     Ok(s) => {
                         info.kv_cells_used = s.kv_cells_used;
                         info.kv_cells_total = s.kv_cells_total;
@@ -352,8 +352,11 @@ impl admin_server::Admin for AdminSvc {
     }
 }
 
-/// A stage's Status, within two seconds.
-async fn status(addr: &str) -> Result<omni_proto::worker::v1::StatusReply, String> {
+/// A stage's Status, within `wait`.
+pub(crate) async fn status(
+    addr: &str,
+    wait: Duration,
+) -> Result<omni_proto::worker::v1::StatusReply, String> {
     let ask = async {
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| e.to_string())?
@@ -367,9 +370,9 @@ async fn status(addr: &str) -> Result<omni_proto::worker::v1::StatusReply, Strin
             .map(|r| r.into_inner())
             .map_err(|s| s.message().to_string())
     };
-    tokio::time::timeout(Duration::from_secs(2), ask)
+    tokio::time::timeout(wait, ask)
         .await
-        .map_err(|_| "no Status answer within 2 s".to_string())?
+        .map_err(|_| format!("no Status answer within {:.0} s", wait.as_secs_f64()))?
 }
 
 #[cfg(test)]

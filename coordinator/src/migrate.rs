@@ -314,16 +314,13 @@ impl Live {
     ) -> Result<MoveReply, Status> {
         let t0 = Instant::now();
         let new_plan = self.plan_for(&serving, counts.map(Split::Layers))?;
-        let offloaded = |p: &Plan| -> Vec<u32> {
-            let mut v: Vec<u32> = p.stages.iter().flat_map(|s| s.offloaded.clone()).collect();
-            v.sort_unstable();
-            v
-        };
-        if offloaded(&new_plan) != offloaded(&self.plan) || new_plan.experts != self.plan.experts {
+        if offloaded_layers(&new_plan) != offloaded_layers(&self.plan)
+            || new_plan.experts != self.plan.experts
+        {
             return Err(Status::failed_precondition(format!(
                 "refused: the new split would change which layers' routed experts run on expert workers (now {}, then {}); experts do not move live, restart with the split instead",
-                plan::fmt_layers(&offloaded(&self.plan)),
-                plan::fmt_layers(&offloaded(&new_plan))
+                plan::fmt_layers(&offloaded_layers(&self.plan)),
+                plan::fmt_layers(&offloaded_layers(&new_plan))
             )));
         }
         // What changes, worker by worker.
@@ -831,6 +828,13 @@ fn pipeline_links(serving: &[usize]) -> Vec<(Option<usize>, Option<usize>)> {
         prev = Some(w);
     }
     v.push((prev, None));
+    v
+}
+
+/// The layers whose routed experts run on expert workers, ascending.
+pub(crate) fn offloaded_layers(p: &Plan) -> Vec<u32> {
+    let mut v: Vec<u32> = p.stages.iter().flat_map(|s| s.offloaded.clone()).collect();
+    v.sort_unstable();
     v
 }
 

@@ -28,12 +28,12 @@
 //! the cluster serves again once the workers are back.
 
 use crate::admin::AdminState;
-use crate::migrate::{client, Live, CALL_TIMEOUT, PREPARE_TIMEOUT};
+use crate::migrate::{client, offloaded_layers, Live, CALL_TIMEOUT, PREPARE_TIMEOUT};
 use crate::scheduler::{Event, RecoveryNeeded};
 use crate::Registered;
 use omni_proto::coordinator::v1::{InfoReply, WorkerKind};
 use omni_proto::worker::v1::{
-    experts_client::ExpertsClient, LoadExpertsRequest, LoadRequest, ResetRequest, StatusRequest,
+    experts_client::ExpertsClient, LoadExpertsRequest, LoadRequest, ResetRequest,
 };
 use omni_transport::Outbox;
 use std::collections::HashMap;
@@ -221,26 +221,11 @@ impl Live {
         let mut dead = Vec::new();
         for &wi in &self.serving {
             let (id, addr) = self.addr(wi);
-            let st = async {
-                client(&addr, PROBE)
-                    .await?
-                    .status(StatusRequest {})
-                    .await
-                    .map(|r| r.into_inner())
-                    .map_err(|s| s.message().to_string())
-            };
-            match tokio::time::timeout(PROBE, st).await {
-                Ok(Ok(s)) => {
+            match crate::admin::status(&addr, PROBE).await {
+                Ok(s) => {
                     running.insert(wi, s);
                 }
-                Ok(Err(e)) => dead.push((wi, format!("worker {id} ({addr}) does not answer: {e}"))),
-                Err(_) => dead.push((
-                    wi,
-                    format!(
-                        "worker {id} ({addr}) does not answer within {:.0}s",
-                        PROBE.as_secs_f64()
-                    ),
-                )),
+                Err(e) => dead.push((wi, format!("worker {id} ({addr}) does not answer: {e}"))),
             }
         }
         for (reg, _, _) in &self.expert_workers {
@@ -274,13 +259,9 @@ impl Live {
                         s.message()
                     )
                 })?;
-                let offloaded = |p: &crate::plan::Plan| {
-                    let mut v: Vec<u32> =
-                        p.stages.iter().flat_map(|s| s.offloaded.clone()).collect();
-                    v.sort_unstable();
-                    v
-                };
-                if offloaded(&plan) != offloaded(&self.plan) || plan.experts != self.plan.experts {
+                if offloaded_layers(&plan) != offloaded_layers(&self.plan)
+                    || plan.experts != self.plan.experts
+                {
                     return Err(format!(
                         "{}, and without it the experts would have to move",
                         dead[0].1

@@ -157,12 +157,8 @@ struct Entry {
 struct InFlight {
     id: u64,
     sent: Instant,
-    /// The sequence each slot in the step belonged to when it was sent.
-    owners: HashMap<u32, u64>,
-    /// What the step carries, in token order.
-    entries: Vec<Entry>,
-    /// A replayed step: its samples repeat tokens already sent.
-    replay: bool,
+    /// Who owned each slot, what the step carries, whether it is a replay.
+    flight: Flight,
 }
 
 pub struct Scheduler {
@@ -301,17 +297,7 @@ impl Scheduler {
                 if self.gave_up.is_none() {
                     tracing::error!("{why}; stopping every request");
                 }
-                let status = Status::unavailable(format!("{why}; the request was stopped"));
-                let ids: Vec<u64> = self.seqs.keys().copied().collect();
-                for id in ids {
-                    if let Some(s) = self.seqs.get(&id) {
-                        s.new.fail(status.clone());
-                    }
-                    self.drop_seq(id);
-                }
-                for s in self.queue.drain(..) {
-                    s.fail(status.clone());
-                }
+                self.stop_every_request(&why);
                 self.gave_up = Some(why);
             }
             Event::Pause(reply) => match self.failed.as_ref().or(self.recovering.as_ref()) {
@@ -376,9 +362,9 @@ impl Scheduler {
         // A replay cut short is replayed again from where it got: its steps
         // in flight and still to send go back to the log, in order.
         for g in 0..self.groups.len() {
-            let cut = self.groups[g].take().filter(|f| f.replay);
+            let cut = self.groups[g].take().filter(|f| f.flight.replay);
             let rest = std::mem::take(&mut self.replay[g]);
-            self.logs[g].extend(cut.map(|f| f.entries).into_iter().chain(rest));
+            self.logs[g].extend(cut.map(|f| f.flight.entries).into_iter().chain(rest));
         }
         self.control_in_flight = 0;
         if let Some(p) = self.pausing.take() {
@@ -448,7 +434,8 @@ impl Scheduler {
     /// else is sent meanwhile: a new token's cell could be one a replayed
     /// token must go back into).
     fn replaying(&self) -> bool {
-        self.replay.iter().any(|r| !r.is_empty()) || self.groups.iter().flatten().any(|f| f.replay)
+        self.replay.iter().any(|r| !r.is_empty())
+            || self.groups.iter().flatten().any(|f| f.flight.replay)
     }
 
     /// Stops everything in flight with `why` (the client gets the error).
@@ -456,6 +443,16 @@ impl Scheduler {
         if self.failed.is_none() {
             tracing::error!("{why}; failing every request");
         }
+        self.stop_every_request(&why);
+        if let Some(p) = self.pausing.take() {
+            let _ = p.send(Err(why.clone()));
+        }
+        self.failed = Some(why);
+    }
+
+    /// Ends every running and queued request with `why` (their slots are
+    /// free again once the stages are reset, or never used again).
+    fn stop_every_request(&mut self, why: &str) {
         let status = Status::unavailable(format!("{why}; the request was stopped"));
         for (_, s) in self.seqs.drain() {
             s.new.fail(status.clone());
@@ -464,10 +461,8 @@ impl Scheduler {
             s.fail(status.clone());
         }
         self.order.clear();
-        if let Some(p) = self.pausing.take() {
-            let _ = p.send(Err(why.clone()));
-        }
-        self.failed = Some(why);
+        self.logs.iter_mut().for_each(VecDeque::clear);
+        self.replay.iter_mut().for_each(VecDeque::clear);
     }
 
     fn drop_seq(&mut self, id: u64) {
@@ -700,9 +695,7 @@ impl Scheduler {
                 self.groups[g] = Some(InFlight {
                     id: step.id,
                     sent: Instant::now(),
-                    owners: f.owners,
-                    entries: f.entries,
-                    replay: f.replay,
+                    flight: f,
                 })
             }
             None => self.control_in_flight += 1,
@@ -769,13 +762,14 @@ impl Scheduler {
             self.begin_recovery(format!("step {} failed: {}", step.id, step.error));
             return;
         }
-        self.log_step(g, &inflight.entries, &step.cells);
-        if inflight.replay {
-            self.check_replayed(&inflight.entries, &inflight.owners, &step.sampled);
+        let f = &inflight.flight;
+        self.log_step(g, &f.entries, &step.cells);
+        if f.replay {
+            self.check_replayed(&f.entries, &f.owners, &step.sampled);
             return;
         }
         for sampled in &step.sampled {
-            let Some(&id) = inflight.owners.get(&sampled.slot) else {
+            let Some(&id) = f.owners.get(&sampled.slot) else {
                 continue;
             };
             self.on_token(id, sampled);
