@@ -35,6 +35,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// The gRPC health service that is SERVING once the coordinator serves
+/// Inference (its workers registered and loaded): what `healthcheck` asks.
+pub const HEALTH_SERVICE: &str = inference_server::SERVICE_NAME;
+
 /// Settings of the coordinator (flags, or `OMNI_*` variables).
 #[derive(Clone, Debug, clap::Args)]
 pub struct CoordinatorConfig {
@@ -139,6 +143,10 @@ pub struct CoordinatorConfig {
     /// without one every admin call is refused.
     #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// A file holding the admin token (e.g. a compose secret at
+    /// /run/secrets/admin_token), instead of --admin-token.
+    #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
@@ -169,10 +177,16 @@ pub(crate) struct Shared {
 }
 
 /// Runs the coordinator until it is stopped or its start-up fails.
-pub async fn run(cfg: CoordinatorConfig) -> anyhow::Result<()> {
+pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     if cfg.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
+    cfg.admin_token = omni_telemetry::value_or_secret_file(
+        cfg.admin_token.take(),
+        cfg.admin_token_file.as_deref(),
+        "the admin token (--admin-token / --admin-token-file)",
+    )
+    .map_err(anyhow::Error::msg)?;
     let model = ModelFile::open(&cfg.model)
         .with_context(|| format!("cannot serve {}", cfg.model.display()))?;
     let tokenizer = Arc::new(Tokenizer::load(&cfg.model)?);

@@ -170,25 +170,7 @@ fn set_state(info: &Mutex<InfoReply>, ready: bool, state: String) {
 
 /// A worker's gRPC health, within `wait`.
 async fn healthy(addr: &str, wait: Duration) -> Result<(), String> {
-    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let ask = async {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| e.to_string())?
-            .connect_timeout(wait)
-            .connect()
-            .await
-            .map_err(|e| e.to_string())?;
-        HealthClient::new(ch)
-            .check(HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-            .map(|_| ())
-            .map_err(|s| s.message().to_string())
-    };
-    tokio::time::timeout(wait, ask)
-        .await
-        .map_err(|_| format!("no answer within {:.0}s", wait.as_secs_f64()))?
+    omni_transport::health::check(addr, "", wait).await
 }
 
 /// How long a worker may take to answer a recovery's Status or health check.

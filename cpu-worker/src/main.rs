@@ -1,24 +1,58 @@
 //! `omni-cpu-worker`: one process per NUMA node, computing routed experts.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use omni_cpu_worker::numa::{self, Binding};
 
 #[derive(Parser)]
 #[command(
     name = "omni-cpu-worker",
     version,
-    about = "omni expert worker: runs MoE routed experts on one NUMA node's cores and memory"
+    about = "omni expert worker: runs MoE routed experts on one NUMA node's cores and memory",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
+// Parsed in two steps (see `main`): the service's required flags are only
+// required when no subcommand is given.
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     cfg: omni_cpu_worker::service::CpuWorkerConfig,
 }
 
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Probe a running expert worker's gRPC health (exit 0 when SERVING):
+    /// the container health check, which needs no shell and no curl.
+    Healthcheck {
+        /// The worker's address [default: its --listen /
+        /// OMNI_CPU_WORKER_LISTEN, 0.0.0.0 as 127.0.0.1].
+        #[arg(long, env = "OMNI_CPU_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+        addr: String,
+        /// Seconds to wait for the answer.
+        #[arg(long, default_value_t = 3.0)]
+        timeout: f64,
+    },
+}
+
 fn main() {
-    let cli = Cli::parse();
+    omni_telemetry::forget_empty_settings();
+    let matches = Cli::command().get_matches();
+    if matches.subcommand().is_some() {
+        let Command::Healthcheck { addr, timeout } =
+            Command::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        std::process::exit(omni_transport::health::healthcheck_main(
+            "omni-cpu-worker",
+            &addr,
+            "",
+            timeout,
+        ));
+    }
+    let cfg = omni_cpu_worker::service::CpuWorkerConfig::from_arg_matches(&matches)
+        .unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
     // Bind before the runtime (or anything else) starts a thread: threads
     // inherit the affinity and memory policy of the thread that makes them.
-    let binding = match cli.cfg.numa_node {
+    let binding = match cfg.numa_node {
         None => Binding::Unbound {
             why: "no --numa-node given".into(),
         },
@@ -30,12 +64,12 @@ fn main() {
             }
         },
     };
-    let telemetry = cli.cfg.telemetry.clone();
-    let id = cli.cfg.worker_id();
+    let telemetry = cfg.telemetry.clone();
+    let id = cfg.worker_id();
     omni_telemetry::service_main(
         "omni-cpu-worker",
         Some(&id),
         &telemetry,
-        omni_cpu_worker::service::run(cli.cfg, binding),
+        omni_cpu_worker::service::run(cfg, binding),
     )
 }

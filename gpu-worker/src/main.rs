@@ -1,26 +1,60 @@
 //! `omni-gpu-worker`: one process per device, running one layer range.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 #[derive(Parser)]
 #[command(
     name = "omni-gpu-worker",
     version,
-    about = "omni worker: runs one layer range of a model on one device"
+    about = "omni worker: runs one layer range of a model on one device",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
+// Parsed in two steps (see `main`): the service's required flags are only
+// required when no subcommand is given.
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     cfg: omni_gpu_worker::WorkerConfig,
 }
 
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Probe a running worker's gRPC health (exit 0 when SERVING): the
+    /// container health check, which needs no shell and no curl.
+    Healthcheck {
+        /// The worker's address [default: its --listen / OMNI_WORKER_LISTEN,
+        /// 0.0.0.0 as 127.0.0.1].
+        #[arg(long, env = "OMNI_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+        addr: String,
+        /// Seconds to wait for the answer.
+        #[arg(long, default_value_t = 3.0)]
+        timeout: f64,
+    },
+}
+
 fn main() {
-    let cli = Cli::parse();
-    let telemetry = cli.cfg.telemetry.clone();
-    let id = cli.cfg.worker_id();
+    omni_telemetry::forget_empty_settings();
+    let matches = Cli::command().get_matches();
+    if matches.subcommand().is_some() {
+        let Command::Healthcheck { addr, timeout } =
+            Command::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        std::process::exit(omni_transport::health::healthcheck_main(
+            "omni-gpu-worker",
+            &addr,
+            "",
+            timeout,
+        ));
+    }
+    let cfg = omni_gpu_worker::WorkerConfig::from_arg_matches(&matches)
+        .unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
+    let telemetry = cfg.telemetry.clone();
+    let id = cfg.worker_id();
     omni_telemetry::service_main(
         "omni-gpu-worker",
         Some(&id),
         &telemetry,
-        omni_gpu_worker::run(cli.cfg),
+        omni_gpu_worker::run(cfg),
     )
 }

@@ -21,6 +21,9 @@ pub struct AdminArgs {
     /// The admin token (the coordinator's --admin-token).
     #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// A file holding the admin token (e.g. /run/secrets/admin_token).
+    #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -175,7 +178,13 @@ async fn client_with_timeout(a: &AdminArgs, timeout: Duration) -> anyhow::Result
         .connect()
         .await
         .with_context(|| format!("cannot reach the admin API at {}", a.admin))?;
-    let header = match &a.token {
+    let token = omni_telemetry::value_or_secret_file(
+        a.token.clone(),
+        a.token_file.as_deref(),
+        "the admin token (--token / --token-file)",
+    )
+    .map_err(anyhow::Error::msg)?;
+    let header = match &token {
         Some(t) => Some(
             format!("Bearer {t}")
                 .parse()

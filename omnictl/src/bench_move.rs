@@ -83,6 +83,7 @@ pub fn run(a: BenchMoveArgs) -> anyhow::Result<()> {
         let args = AdminArgs {
             admin: admin.clone(),
             token: Some(token.clone()),
+            token_file: None,
         };
         // The boundary between the first two stages, from the plan.
         let first = info

@@ -34,6 +34,9 @@ pub struct PlanArgs {
     /// The admin token (the coordinator's --admin-token).
     #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// A file holding the admin token (e.g. /run/secrets/admin_token).
+    #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
     /// Expert workers that can run MoE layers' routed experts, each
     /// NAME:SIZE (e.g. numa0:256GiB,numa1:256GiB). They become c0, c1, ...
     #[arg(long, value_delimiter = ',')]
@@ -109,6 +112,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         let a = crate::admin::AdminArgs {
             admin: addr.clone(),
             token: args.token.clone(),
+            token_file: args.token_file.clone(),
         };
         return crate::admin::plan(
             &a,

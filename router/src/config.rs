@@ -20,8 +20,9 @@
 //! ```
 //!
 //! Secrets (`api_keys`, an upstream's `api_key`) are better given through
-//! the environment (`OMNI_API_KEYS`, `OMNI_UPSTREAM_KEYS`) than written in
-//! the file; `print-config` masks them.
+//! the environment (`OMNI_API_KEYS`, `OMNI_UPSTREAM_KEYS`) or a file
+//! (`OMNI_API_KEYS_FILE`, e.g. a compose secret) than written in the
+//! config file; `print-config` masks them.
 
 use crate::backends;
 use figment::providers::{Format, Serialized, Toml};
@@ -39,6 +40,7 @@ pub mod env {
     pub const UPSTREAM_KEYS: &str = "OMNI_UPSTREAM_KEYS";
     pub const AUTO: &str = "OMNI_ROUTER_AUTO";
     pub const API_KEYS: &str = "OMNI_API_KEYS";
+    pub const API_KEYS_FILE: &str = "OMNI_API_KEYS_FILE";
     pub const MAX_IN_FLIGHT: &str = "OMNI_ROUTER_MAX_IN_FLIGHT";
     pub const BODY_LIMIT: &str = "OMNI_ROUTER_BODY_LIMIT";
 }
@@ -134,6 +136,10 @@ pub struct RouterConfig {
     /// (comma-separated); none means no authentication.
     #[arg(long = "api-key", env = env::API_KEYS, value_delimiter = ',')]
     pub api_keys: Vec<String>,
+    /// A file of API keys (one per line, or comma-separated), e.g. a
+    /// compose secret at /run/secrets/api_keys; added to --api-key's.
+    #[arg(long = "api-keys-file", env = env::API_KEYS_FILE)]
+    pub api_keys_file: Option<PathBuf>,
     /// Requests served at once; beyond it, 429 with Retry-After [default: 64].
     #[arg(long, env = env::MAX_IN_FLIGHT)]
     pub max_in_flight: Option<usize>,
@@ -215,9 +221,17 @@ impl RouterConfig {
                 ..Default::default()
             });
         }
+        let from_file = match &self.api_keys_file {
+            Some(f) => {
+                omni_telemetry::read_secret(f, "--api-keys-file").map_err(ConfigError::Flag)?
+            }
+            None => String::new(),
+        };
         let keys: Vec<String> = self
             .api_keys
             .iter()
+            .flat_map(|k| k.split(','))
+            .chain(from_file.split([',', '\n']))
             .map(|k| k.trim().to_string())
             .filter(|k| !k.is_empty())
             .collect();
@@ -473,6 +487,30 @@ upstream_model = "qwen2.5-coder"
             "models given as flags replace the file's"
         );
         assert_eq!(s.models[0].coordinator.as_deref(), Some("127.0.0.1:7070"));
+    }
+
+    #[test]
+    fn api_keys_come_from_a_file_too() {
+        let f = write("sk-one\nsk-two, sk-three\n");
+        let cli = RouterConfig {
+            models: vec!["m=127.0.0.1:7070".into()],
+            api_keys: vec!["sk-flag".into()],
+            api_keys_file: Some(f.path().to_path_buf()),
+            ..Default::default()
+        };
+        let s = cli.settings().unwrap();
+        assert_eq!(s.api_keys, ["sk-flag", "sk-one", "sk-two", "sk-three"]);
+        let empty = write("\n");
+        let cli = RouterConfig {
+            models: vec!["m=127.0.0.1:7070".into()],
+            api_keys_file: Some(empty.path().to_path_buf()),
+            ..Default::default()
+        };
+        let e = cli.settings().unwrap_err().to_string();
+        assert!(
+            e.contains("--api-keys-file") && e.contains("is empty"),
+            "{e}"
+        );
     }
 
     #[test]
