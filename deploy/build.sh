@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Runs in deploy/Dockerfile's builder stage (in /src, the repository):
+# builds omni's binaries, or takes them prebuilt, then lays out the runtime
+# image's whole filesystem in $1: the binaries in /usr/local/bin, the shared
+# libraries they link (found with ldd, so nothing else: no shell, no curl,
+# no package manager), a user, /tmp and /models.
+#
+# Where the binaries come from:
+#   - cargo on PATH (the default base, rust:1-bookworm, or a CUDA base with
+#     Rust): cargo build --release --locked here; CUDA=1 adds the
+#     omni-engine/cuda feature (ggml's CUDA backend);
+#   - no cargo (omni-base:bookworm from deploy/base-image.sh, on machines
+#     without a registry): deploy/.prebuilt/, filled by tests/compose/run
+#     from the host's target/release (same Debian release, same glibc).
+set -euo pipefail
+out=${1:?usage: build.sh ROOTFS}
+bins=(omni-coordinator omni-gpu-worker omni-cpu-worker omni-router omnictl)
+cuda=${CUDA:-0}
+
+if command -v cargo >/dev/null; then
+    need=()
+    command -v cmake >/dev/null || need+=(cmake)
+    command -v clang >/dev/null || need+=(clang libclang-dev)
+    if [ ${#need[@]} -gt 0 ]; then
+        echo "build.sh: installing ${need[*]} (apt)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    fi
+    features=()
+    [ "$cuda" = 1 ] && features=(--features omni-engine/cuda)
+    echo "build.sh: cargo build --release (CUDA=$cuda)"
+    cargo build --release --locked "${features[@]}" \
+        -p omni-coordinator -p omni-gpu-worker -p omni-cpu-worker -p omni-router -p omnictl --bins
+    from=target/release
+elif [ -x deploy/.prebuilt/omni-coordinator ]; then
+    [ "$cuda" = 1 ] && { echo "build.sh: CUDA=1 needs a base with cargo and CUDA's toolkit" >&2; exit 1; }
+    echo "build.sh: no cargo in this base: taking the binaries from deploy/.prebuilt"
+    from=deploy/.prebuilt
+else
+    echo "build.sh: this base has no cargo and deploy/.prebuilt/ has no binaries." >&2
+    echo "  Build with a Rust base (the default rust:1-bookworm), or run tests/compose/run," >&2
+    echo "  which fills deploy/.prebuilt from the host's cargo build." >&2
+    exit 1
+fi
+
+mkdir -p "$out/usr/local/bin" "$out/etc" "$out/models" "$out/tmp" "$out/home/omni"
+chmod 1777 "$out/tmp"
+for b in "${bins[@]}"; do
+    install -m 0755 "$from/$b" "$out/usr/local/bin/$b"
+done
+# The libraries: what ldd resolves for each binary, at the same path (the
+# loader included). The NVIDIA driver's own libraries (libcuda, NVML) are
+# not copied: the NVIDIA container runtime mounts the host's.
+missing=()
+for b in "${bins[@]}"; do
+    while read -r line; do
+        case "$line" in
+            *"not found"*)
+                lib=${line%% *}
+                case "$lib" in libcuda.so*|libnvidia-ml.so*) ;; *) missing+=("$b: $lib") ;; esac
+                continue ;;
+        esac
+        for f in $line; do
+            case "$f" in
+                /*) [ -e "$f" ] || continue
+                    mkdir -p "$out$(dirname "$f")"
+                    cp -L "$f" "$out$f" ;;
+            esac
+        done
+    done < <(ldd "$out/usr/local/bin/$b")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    printf 'build.sh: a library the binaries need is not in this base: %s\n' "${missing[@]}" >&2
+    exit 1
+fi
+# The unprivileged user the services run as (uid 65532, as distroless).
+printf 'root:x:0:0:root:/root:/nonexistent\nomni:x:65532:65532:omni:/home/omni:/nonexistent\n' > "$out/etc/passwd"
+printf 'root:x:0:\nomni:x:65532:\n' > "$out/etc/group"
+chown 65532:65532 "$out/home/omni"
+echo "build.sh: runtime filesystem:"
+(cd "$out" && find . -type f -printf '%s %p\n' | sort -k2 | awk '{ printf "  %8.1f MiB  %s\n", $1 / 1048576, $2 }')

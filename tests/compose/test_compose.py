@@ -1,0 +1,335 @@
+"""omni's compose stack, checked as a user would see it (tests/compose/run).
+
+One stack for the whole module: deploy/up builds the image (base
+omni-base:bookworm, the host's binaries) and starts deploy/docker-compose.yml
+under its own project name, serving Gemma 3 270M on a free port; the last
+test takes it down and checks that nothing is left.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+UP = os.path.join(ROOT, "deploy", "up")
+PROJECT = f"omni-ci-{os.getpid()}"
+IMAGE = "omni:compose-test"
+BASE = "omni-base:bookworm"
+MODEL_NAME = "gemma3-270m"
+# An address outside the brain network that the host reaches: the Debian
+# archive this machine installs from (deploy/base-image.sh needs it too).
+OUTSIDE_NAME = "deb.debian.org"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*args, check=True, timeout=600, env=None):
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def inspect(kind, name):
+    return json.loads(run("docker", kind, "inspect", name).stdout)[0]
+
+
+class Stack:
+    def __init__(self):
+        self.port = free_port()
+        self.secrets = tempfile.mkdtemp(prefix="omni-secrets-")
+        model = os.environ["OMNI_TEST_MODEL"]
+        self.env = dict(
+            os.environ,
+            COMPOSE_PROJECT_NAME=PROJECT,
+            OMNI_PORT=str(self.port),
+            OMNI_IMAGE=IMAGE,
+            OMNI_BUILD_BASE=BASE,
+            OMNI_SECRETS=self.secrets,
+            OMNI_MODEL_NAME=MODEL_NAME,
+            OMNI_CTX="1024",
+            OMNI_SEQS="4",
+        )
+        self.env.pop("COMPOSE_PROFILES", None)
+        t = time.monotonic()
+        r = subprocess.run(
+            [UP, model], capture_output=True, text=True, timeout=1500, env=self.env
+        )
+        self.up_seconds = time.monotonic() - t
+        self.up_output = r.stdout + r.stderr
+        print(f"\ndeploy/up took {self.up_seconds:.1f} s:\n{self.up_output}")
+        if r.returncode != 0:
+            self.logs()
+            raise AssertionError(f"deploy/up failed ({r.returncode})")
+        self.key = open(os.path.join(self.secrets, "api_keys")).read().strip()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def containers(self, all_=False):
+        """service name -> container id, for this project."""
+        args = ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"]
+        if all_:
+            args.insert(2, "-a")
+        ids = run(*args).stdout.split()
+        return {inspect("container", i)["Config"]["Labels"]["com.docker.compose.service"]: i for i in ids}
+
+    def logs(self):
+        for service, cid in self.containers(all_=True).items():
+            r = run("docker", "logs", "--tail", "60", cid, check=False)
+            print(f"--- {service} ---\n{r.stdout}{r.stderr}")
+
+    def down(self):
+        return subprocess.run([UP, "--down"], capture_output=True, text=True, timeout=300, env=self.env)
+
+    def post(self, path, body, key=None, timeout=120):
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {key or self.key}",
+            },
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stream(self, body, on_chunk=None, timeout=300):
+        """A streamed chat completion: (text, finish_reason, chunk times)."""
+        req = urllib.request.Request(
+            self.url + "/chat/completions",
+            data=json.dumps(dict(body, stream=True)).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.key}"},
+        )
+        text, finish, times = [], None, []
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise AssertionError(f"the stream ended with an error: {chunk['error']}")
+                choice = chunk["choices"][0]
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece:
+                    text.append(piece)
+                    times.append(time.monotonic())
+                    if on_chunk:
+                        on_chunk(len(text))
+                finish = choice.get("finish_reason") or finish
+        return "".join(text), finish, times
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack()
+    yield s
+    if s.containers(all_=True):
+        s.logs()
+        s.down()
+    shutil.rmtree(s.secrets, ignore_errors=True)
+
+
+def probe(container, script):
+    """Runs `script` in bash inside `container`'s network namespace (its
+    addresses, routes and DNS resolver): the runtime image has no shell, so
+    the probe brings its own (the base image, joined to the container's
+    network with --network container:ID)."""
+    return run(
+        "docker", "run", "--rm", "--network", f"container:{container}", BASE,
+        "bash", "-c", script, check=False, timeout=60,
+    )
+
+
+def dns(container):
+    return probe(container, f"getent hosts {OUTSIDE_NAME}")
+
+
+def tcp(container, ip, port=80):
+    return probe(container, f"timeout 5 bash -c 'exec 3<>/dev/tcp/{ip}/{port}' && echo connected")
+
+
+def test_every_container_is_healthy_by_its_own_exec_form_check(stack):
+    c = stack.containers()
+    assert set(c) == {"coordinator", "w0", "w1", "c0", "router"}, c
+    for service, cid in c.items():
+        info = inspect("container", cid)
+        test = info["Config"]["Healthcheck"]["Test"]
+        assert test[0] == "CMD" and test[2] == "healthcheck", (service, test)
+        deadline = time.monotonic() + 60
+        while info["State"]["Health"]["Status"] != "healthy" and time.monotonic() < deadline:
+            time.sleep(1)
+            info = inspect("container", cid)
+        health = info["State"]["Health"]
+        assert health["Status"] == "healthy", (service, health["Log"][-1:])
+        assert health["Log"][-1]["ExitCode"] == 0
+        assert info["Config"]["Image"] == IMAGE
+        assert info["Config"]["User"] == "65532:65532", service
+    # The coordinator's check asks for the Inference service, not just a
+    # listening port: its last probe says so.
+    out = inspect("container", c["coordinator"])["State"]["Health"]["Log"][-1]["Output"]
+    assert "omni.coordinator.v1.Inference SERVING" in out, out
+
+
+def test_the_image_has_no_shell_no_curl_and_only_what_the_binaries_need(stack):
+    cid = run("docker", "create", IMAGE).stdout.strip()
+    try:
+        files = run("bash", "-c", f"docker export {cid} | tar -t").stdout.split()
+    finally:
+        run("docker", "rm", cid)
+    names = {f.rstrip("/").rsplit("/", 1)[-1] for f in files}
+    for tool in ["sh", "bash", "dash", "busybox", "curl", "wget", "apt", "apt-get", "dpkg"]:
+        assert tool not in names, f"{tool} is in the image"
+    for b in ["omni-coordinator", "omni-gpu-worker", "omni-cpu-worker", "omni-router", "omnictl"]:
+        assert f"usr/local/bin/{b}" in files
+    allowed = ("usr/local/bin/", "lib/", "lib64/", "usr/lib/", "etc/", "dev/", "proc/", "sys/",
+               "tmp/", "models/", "home/", ".dockerenv")
+    stray = [f for f in files if not f.endswith("/") and not f.startswith(allowed)]
+    assert not stray, stray
+    r = run("docker", "run", "--rm", "--entrypoint", "/bin/sh", IMAGE, "-c", "true", check=False)
+    assert r.returncode != 0 and "no such file" in (r.stdout + r.stderr).lower(), r
+
+
+def test_a_chat_completion_through_the_published_port(stack):
+    status, body = stack.post(
+        "/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
+            "max_tokens": 24,
+            "temperature": 0,
+        },
+    )
+    assert status == 200, body
+    text = body["choices"][0]["message"]["content"]
+    assert len(text.strip()) > 0, body
+    assert body["usage"]["completion_tokens"] > 0
+    # The key from the secret file is what lets it in.
+    status, body = stack.post("/chat/completions", {"model": MODEL_NAME, "messages": []}, key="sk-wrong")
+    assert status == 401, body
+
+
+def test_the_admin_console_runs_inside_the_coordinator_container(stack):
+    # The admin API listens on the coordinator's loopback only; omnictl in
+    # the same image reaches it, with the token from the secret file.
+    r = run("docker", "exec", stack.containers()["coordinator"], "omnictl", "workers", "--json")
+    workers = {w["id"]: w for w in json.loads(r.stdout)}
+    # (For a dense model the plan leaves c0 unused, and the list shows only
+    # the workers the plan places.)
+    assert {"w0", "w1"} <= set(workers), workers
+    assert [workers["w0"]["stage"], workers["w1"]["stage"]] == [0, 1], workers
+
+
+def test_the_brain_network_is_internal_and_only_the_router_is_published(stack):
+    brain = inspect("network", f"{PROJECT}_brain")
+    public = inspect("network", f"{PROJECT}_public")
+    assert brain["Internal"] is True
+    assert public["Internal"] is False
+    for service, cid in stack.containers().items():
+        info = inspect("container", cid)
+        published = {
+            port: binds
+            for port, binds in (info["NetworkSettings"]["Ports"] or {}).items()
+            if binds
+        }
+        networks = set(info["NetworkSettings"]["Networks"])
+        if service == "router":
+            assert published == {"8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(stack.port)}]}, published
+            assert networks == {f"{PROJECT}_brain", f"{PROJECT}_public"}
+        else:
+            assert published == {}, (service, published)
+            assert networks == {f"{PROJECT}_brain"}, (service, networks)
+
+
+def test_nothing_on_the_brain_network_reaches_outside(stack):
+    c = stack.containers()
+    outside_ip = socket.gethostbyname(OUTSIDE_NAME)
+    # The control: from the router's network namespace (it is also on the
+    # public network, which routes out), the same lookup and connection
+    # work; so the failures below are the brain network's doing, and would
+    # not happen if it were not internal.
+    r = dns(c["router"])
+    assert r.returncode == 0 and r.stdout.strip(), f"control DNS from the router failed: {r}"
+    r = tcp(c["router"], outside_ip)
+    assert "connected" in r.stdout, f"control TCP from the router failed: {r}"
+    for service in ["coordinator", "w0", "c0"]:
+        r = dns(c[service])
+        assert r.returncode != 0 and not r.stdout.strip(), f"{service} resolved {OUTSIDE_NAME}: {r.stdout}"
+        r = tcp(c[service], outside_ip)
+        assert "connected" not in r.stdout, f"{service} reached {outside_ip}:80"
+        # Inside the brain network names still resolve: the probe works.
+        r = probe(c[service], "getent hosts coordinator")
+        assert r.returncode == 0 and r.stdout.strip(), f"{service}: {r}"
+
+
+def test_a_killed_worker_is_restarted_and_the_stream_in_flight_completes(stack):
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+        "max_tokens": 160,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    clean, finish, _ = stack.stream(body)
+    assert finish == "length" and clean
+
+    w1 = stack.containers()["w1"]
+    before = inspect("container", w1)
+    killed = threading.Event()
+
+    # A crash, not an operator's stop: `docker kill` counts as a manual stop,
+    # which restart policies leave stopped. SIGKILL to the worker process
+    # itself (its host pid from `docker top`), as the OOM killer would.
+    top = run("docker", "top", w1, "-eo", "pid,args").stdout.splitlines()[1:]
+    pid = next(int(l.split()[0]) for l in top if "omni-gpu-worker" in l.split(None, 1)[1])
+
+    def kill_at(n):
+        if n == 40 and not killed.is_set():
+            killed.set()
+            run(*([] if os.geteuid() == 0 else ["sudo"]), "kill", "-9", str(pid))
+
+    text, finish, times = stack.stream(body, on_chunk=kill_at)
+    assert killed.is_set()
+    assert finish == "length"
+    assert text == clean, "the stream that lived through the kill differs from the clean one"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"\nlongest pause in the stream (w1 killed, restarted by compose, recovered): {max(gaps):.2f} s")
+
+    after = inspect("container", w1)
+    assert after["RestartCount"] > before["RestartCount"], "compose did not restart w1"
+    assert after["State"]["StartedAt"] != before["State"]["StartedAt"]
+    deadline = time.monotonic() + 60
+    while inspect("container", w1)["State"]["Health"]["Status"] != "healthy":
+        assert time.monotonic() < deadline, "w1 did not become healthy again"
+        time.sleep(1)
+    # And the cluster serves new requests afterwards.
+    status, out = stack.post(
+        "/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+    )
+    assert status == 200, out
+
+
+def test_down_leaves_nothing_running(stack):
+    r = stack.down()
+    assert r.returncode == 0, r.stdout + r.stderr
+    label = f"label=com.docker.compose.project={PROJECT}"
+    assert run("docker", "ps", "-aq", "--filter", label).stdout.strip() == ""
+    assert run("docker", "network", "ls", "-q", "--filter", label).stdout.strip() == ""
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(stack.url + "/models", timeout=5)
