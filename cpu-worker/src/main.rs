@@ -1,6 +1,6 @@
 //! `omni-cpu-worker`: one process per NUMA node, computing routed experts.
 
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use omni_cpu_worker::numa::{self, Binding};
 
 #[derive(Parser)]
@@ -11,8 +11,8 @@ use omni_cpu_worker::numa::{self, Binding};
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
-// Parsed in two steps (see `main`): the service's required flags are only
-// required when no subcommand is given.
+// Parsed by `settings_or_healthcheck`: the service's required flags are
+// only required when no subcommand is given.
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -21,6 +21,7 @@ struct Cli {
 }
 
 #[derive(clap::Subcommand)]
+#[allow(dead_code)] // read by name in settings_or_healthcheck
 enum Command {
     /// Probe a running expert worker's gRPC health (exit 0 when SERVING):
     /// the container health check, which needs no shell and no curl.
@@ -36,20 +37,8 @@ enum Command {
 }
 
 fn main() {
-    omni_telemetry::forget_empty_settings();
-    let matches = Cli::command().get_matches();
-    if matches.subcommand().is_some() {
-        let Command::Healthcheck { addr, timeout } =
-            Command::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-        std::process::exit(omni_transport::health::healthcheck_main(
-            "omni-cpu-worker",
-            &addr,
-            "",
-            timeout,
-        ));
-    }
-    let cfg = omni_cpu_worker::service::CpuWorkerConfig::from_arg_matches(&matches)
-        .unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
+    let cfg: omni_cpu_worker::service::CpuWorkerConfig =
+        omni_transport::health::settings_or_healthcheck::<Cli, _>("omni-cpu-worker", "");
     // Bind before the runtime (or anything else) starts a thread: threads
     // inherit the affinity and memory policy of the thread that makes them.
     let binding = match cfg.numa_node {

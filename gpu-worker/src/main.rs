@@ -1,6 +1,6 @@
 //! `omni-gpu-worker`: one process per device, running one layer range.
 
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 
 #[derive(Parser)]
 #[command(
@@ -10,8 +10,8 @@ use clap::{CommandFactory, FromArgMatches, Parser};
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
-// Parsed in two steps (see `main`): the service's required flags are only
-// required when no subcommand is given.
+// Parsed by `settings_or_healthcheck`: the service's required flags are
+// only required when no subcommand is given.
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -20,6 +20,7 @@ struct Cli {
 }
 
 #[derive(clap::Subcommand)]
+#[allow(dead_code)] // read by name in settings_or_healthcheck
 enum Command {
     /// Probe a running worker's gRPC health (exit 0 when SERVING): the
     /// container health check, which needs no shell and no curl.
@@ -35,20 +36,8 @@ enum Command {
 }
 
 fn main() {
-    omni_telemetry::forget_empty_settings();
-    let matches = Cli::command().get_matches();
-    if matches.subcommand().is_some() {
-        let Command::Healthcheck { addr, timeout } =
-            Command::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-        std::process::exit(omni_transport::health::healthcheck_main(
-            "omni-gpu-worker",
-            &addr,
-            "",
-            timeout,
-        ));
-    }
-    let cfg = omni_gpu_worker::WorkerConfig::from_arg_matches(&matches)
-        .unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
+    let cfg: omni_gpu_worker::WorkerConfig =
+        omni_transport::health::settings_or_healthcheck::<Cli, _>("omni-gpu-worker", "");
     let telemetry = cfg.telemetry.clone();
     let id = cfg.worker_id();
     omni_telemetry::service_main(

@@ -87,6 +87,29 @@ pub fn healthcheck_main(what: &str, listen: &str, service: &str, wait_secs: f64)
     }
 }
 
+/// The start of `main` for a gRPC service binary `what` whose command
+/// line `C` has a `healthcheck` subcommand (with `--addr` and `--timeout`):
+/// forgets empty settings, runs the probe of `service` and exits if the
+/// subcommand was given, else returns the service's settings `T`. In two
+/// steps, so that the service's required flags are only required when no
+/// subcommand is given.
+pub fn settings_or_healthcheck<C, T>(what: &str, service: &str) -> T
+where
+    C: clap::CommandFactory,
+    T: clap::FromArgMatches,
+{
+    omni_telemetry::forget_empty_settings();
+    let matches = C::command().get_matches();
+    if let Some(("healthcheck", m)) = matches.subcommand() {
+        let addr = m.get_one::<String>("addr").expect("--addr has a default");
+        let timeout = *m
+            .get_one::<f64>("timeout")
+            .expect("--timeout has a default");
+        std::process::exit(healthcheck_main(what, addr, service, timeout));
+    }
+    T::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut C::command()).exit())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
