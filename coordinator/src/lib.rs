@@ -35,6 +35,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// A name for this coordinator process, different at every start (pid and
+/// start time): workers compare it to notice a restarted coordinator.
+fn instance_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{:x}-{nanos:x}", std::process::id())
+}
+
 /// The gRPC health service that is SERVING once the coordinator serves
 /// Inference (its workers registered and loaded): what `healthcheck` asks.
 pub const HEALTH_SERVICE: &str = inference_server::SERVICE_NAME;
@@ -244,6 +253,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_vocab: tokenizer.n_vocab() as u32,
             n_seq: cfg.seqs as u32,
             state: "waiting for workers".into(),
+            instance: instance_id(),
             ..Default::default()
         })),
         next_seq: 1.into(),

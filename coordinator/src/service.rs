@@ -67,6 +67,7 @@ impl registry_server::Registry for RegistrySvc {
             }
             return Ok(Response::new(RegisterReply {
                 model_path: self.0.cfg.model.display().to_string(),
+                instance: self.0.info.lock().unwrap().instance.clone(),
             }));
         }
         self.0
@@ -75,6 +76,7 @@ impl registry_server::Registry for RegistrySvc {
             .map_err(|_| Status::unavailable("the coordinator is shutting down"))?;
         Ok(Response::new(RegisterReply {
             model_path: self.0.cfg.model.display().to_string(),
+            instance: self.0.info.lock().unwrap().instance.clone(),
         }))
     }
 }

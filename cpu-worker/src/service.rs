@@ -177,7 +177,7 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         let w = worker.clone();
         omni_transport::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
     }
-    omni_transport::registry::register(
+    let instance = omni_transport::registry::register(
         &cfg.coordinator,
         cfg.register_timeout,
         &id,
@@ -186,9 +186,17 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         WorkerKind::Experts,
     )
     .await?;
-    let r = server.await;
+    let restarted = omni_transport::registry::coordinator_restarted(
+        &cfg.coordinator,
+        &instance,
+        std::time::Duration::from_secs(2),
+    );
+    let r = tokio::select! {
+        r = server => r.map_err(anyhow::Error::from).and_then(|r| r.map_err(Into::into)),
+        why = restarted => Err(anyhow::anyhow!(why)),
+    };
     worker.stop.store(true, Ordering::Relaxed);
-    r??;
+    r?;
     tracing::info!("expert worker {id} stopped");
     Ok(())
 }

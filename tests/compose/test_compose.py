@@ -292,16 +292,10 @@ def test_a_killed_worker_is_restarted_and_the_stream_in_flight_completes(stack):
     before = inspect("container", w1)
     killed = threading.Event()
 
-    # A crash, not an operator's stop: `docker kill` counts as a manual stop,
-    # which restart policies leave stopped. SIGKILL to the worker process
-    # itself (its host pid from `docker top`), as the OOM killer would.
-    top = run("docker", "top", w1, "-eo", "pid,args").stdout.splitlines()[1:]
-    pid = next(int(l.split()[0]) for l in top if "omni-gpu-worker" in l.split(None, 1)[1])
-
     def kill_at(n):
         if n == 40 and not killed.is_set():
             killed.set()
-            run(*([] if os.geteuid() == 0 else ["sudo"]), "kill", "-9", str(pid))
+            crash(w1, "omni-gpu-worker")
 
     text, finish, times = stack.stream(body, on_chunk=kill_at)
     assert killed.is_set()
@@ -323,6 +317,43 @@ def test_a_killed_worker_is_restarted_and_the_stream_in_flight_completes(stack):
         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
     )
     assert status == 200, out
+
+
+def crash(container, binary):
+    """SIGKILL to `binary`'s process in `container` (its host pid from
+    `docker top`): a crash, not an operator's stop. `docker kill` counts as
+    a manual stop, which restart policies leave stopped."""
+    top = run("docker", "top", container, "-eo", "pid,args").stdout.splitlines()[1:]
+    pid = next(int(l.split()[0]) for l in top if binary in l.split(None, 1)[1])
+    run(*([] if os.geteuid() == 0 else ["sudo"]), "kill", "-9", str(pid))
+
+
+def test_a_crashed_coordinator_is_restarted_and_its_workers_rejoin_it(stack):
+    c = stack.containers()
+    before = {s: inspect("container", c[s])["RestartCount"] for s in ["coordinator", "w0", "w1", "c0"]}
+    crash(c["coordinator"], "omni-coordinator")
+    # The new coordinator knows no worker: each notices the other process
+    # at the same address, exits, is restarted and registers; then the
+    # stack serves again.
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            status, out = stack.post(
+                "/chat/completions",
+                {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+                timeout=30,
+            )
+            if status == 200:
+                break
+        except (urllib.error.URLError, OSError):
+            pass
+        assert time.monotonic() < deadline, "the stack did not serve again within 180 s"
+        time.sleep(2)
+    print(f"\nserving again {180 - (deadline - time.monotonic()):.1f} s after the coordinator crashed")
+    for s, n in before.items():
+        assert inspect("container", c[s])["RestartCount"] > n, f"{s} was not restarted"
+    logs = run("docker", "logs", c["w0"], check=False)
+    assert "restarted" in logs.stdout + logs.stderr
 
 
 def test_down_leaves_nothing_running(stack):

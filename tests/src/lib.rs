@@ -139,6 +139,38 @@ impl ClusterSpec {
     }
 }
 
+/// The coordinator of a [`Cluster`] started from `spec`.
+fn coordinator_cmd(model: &Path, spec: &ClusterSpec, addr: &str, admin_addr: &str) -> Command {
+    let mut c = Command::new(target_bin("omni-coordinator"));
+    c.arg("--model")
+        .arg(model)
+        .args(["--listen", addr])
+        .args(["--admin-listen", admin_addr])
+        .args(["--workers", &spec.stages.to_string()])
+        .args(["--cpu-workers", &spec.cpu_workers.to_string()])
+        .args(["--transport", spec.transport])
+        .args(["--ctx", &spec.ctx.to_string()])
+        .args(["--seqs", &spec.seqs.to_string()])
+        .args(["--health-interval", "0.5"])
+        .args(&spec.coordinator_args)
+        .env("OMNI_LOG", "info");
+    c
+}
+
+/// Stage worker `i` of a [`Cluster`] started from `spec`.
+fn worker_cmd(spec: &ClusterSpec, addr: &str, i: usize) -> Command {
+    let mut w = Command::new(target_bin("omni-gpu-worker"));
+    w.args(["--coordinator", addr])
+        .args(["--id", &format!("w{i}")])
+        .args(["--threads", &spec.threads.to_string()])
+        .args(["--register-timeout", "30"])
+        .args(spec.worker_args.get(i).cloned().unwrap_or_default())
+        // As `omnictl up` does: idle stages must not spin on the cores.
+        .env("GOMP_SPINCOUNT", "10000")
+        .env("OMNI_LOG", "info");
+    w
+}
+
 /// A coordinator and its workers, all real processes.
 pub struct Cluster {
     pub addr: String,
@@ -157,19 +189,7 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let addr = format!("127.0.0.1:{}", free_port());
         let admin_addr = format!("127.0.0.1:{}", free_port());
-        let mut c = Command::new(target_bin("omni-coordinator"));
-        c.arg("--model")
-            .arg(model)
-            .args(["--listen", &addr])
-            .args(["--admin-listen", &admin_addr])
-            .args(["--workers", &spec.stages.to_string()])
-            .args(["--cpu-workers", &spec.cpu_workers.to_string()])
-            .args(["--transport", spec.transport])
-            .args(["--ctx", &spec.ctx.to_string()])
-            .args(["--seqs", &spec.seqs.to_string()])
-            .args(["--health-interval", "0.5"])
-            .args(&spec.coordinator_args)
-            .env("OMNI_LOG", "info");
+        let c = coordinator_cmd(model, spec, &addr, &admin_addr);
         let mut coordinator = Proc::spawn("coordinator", c, dir.path());
         // Workers start once the coordinator holds its port: until then a
         // worker's own port 0 could be given the very port picked for it.
@@ -182,15 +202,7 @@ impl Cluster {
         }
         let mut workers = Vec::new();
         for i in 0..spec.start_workers.unwrap_or(spec.stages) {
-            let mut w = Command::new(target_bin("omni-gpu-worker"));
-            w.args(["--coordinator", &addr])
-                .args(["--id", &format!("w{i}")])
-                .args(["--threads", &spec.threads.to_string()])
-                .args(["--register-timeout", "30"])
-                .args(spec.worker_args.get(i).cloned().unwrap_or_default())
-                // As `omnictl up` does: idle stages must not spin on the cores.
-                .env("GOMP_SPINCOUNT", "10000")
-                .env("OMNI_LOG", "info");
+            let w = worker_cmd(spec, &addr, i);
             workers.push(Proc::spawn(&format!("w{i}"), w, dir.path()));
         }
         let mut cpu_workers = Vec::new();
@@ -220,24 +232,48 @@ impl Cluster {
         }
     }
 
+    /// Starts another coordinator process in place of the current one (at
+    /// the same addresses, with the same flags); the old one must be gone.
+    pub fn restart_coordinator(&mut self, model: &Path, spec: &ClusterSpec) {
+        let c = coordinator_cmd(model, spec, &self.addr, &self.admin_addr);
+        self.coordinator = Proc::spawn("coordinator-2", c, self._dir.path());
+    }
+
+    /// Starts stage worker `i` again (as its supervisor would), after it
+    /// exited.
+    pub fn restart_worker(&mut self, spec: &ClusterSpec, i: usize) {
+        let w = worker_cmd(spec, &self.addr, i);
+        self.workers[i] = Proc::spawn(&format!("w{i}-2"), w, self._dir.path());
+    }
+
     /// Starts a cluster and waits until it serves (panics with the logs
     /// after 120 s).
     pub fn start(model: &Path, spec: &ClusterSpec) -> Cluster {
         let mut c = Cluster::spawn(model, spec);
+        c.wait_ready();
+        c
+    }
+
+    /// Waits until the coordinator serves (panics with the logs after 120 s
+    /// or if it exits).
+    pub fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            if let Ok(info) = c.info() {
+            if let Ok(info) = self.info() {
                 if info.ready {
-                    return c;
+                    return;
                 }
             }
-            if let Ok(Some(s)) = c.coordinator.child.try_wait() {
-                panic!("the coordinator exited ({s}) before serving\n{}", c.logs());
+            if let Ok(Some(s)) = self.coordinator.child.try_wait() {
+                panic!(
+                    "the coordinator exited ({s}) before serving\n{}",
+                    self.logs()
+                );
             }
             assert!(
                 Instant::now() < deadline,
                 "the cluster was not ready within 120 s\n{}",
-                c.logs()
+                self.logs()
             );
             std::thread::sleep(Duration::from_millis(100));
         }

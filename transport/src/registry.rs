@@ -29,7 +29,8 @@ pub async fn listen(
 }
 
 /// Registers with the coordinator at `coordinator`, retrying for `timeout`
-/// seconds while it cannot be reached.
+/// seconds while it cannot be reached. Returns the coordinator's instance
+/// (see [`coordinator_restarted`]).
 pub async fn register(
     coordinator: &str,
     timeout: f64,
@@ -37,7 +38,7 @@ pub async fn register(
     advertise: &str,
     inventory: Inventory,
     kind: WorkerKind,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<String> {
     let deadline = Instant::now() + Duration::from_secs_f64(timeout);
     let url = format!("http://{coordinator}");
     let mut last_err = String::new();
@@ -52,11 +53,12 @@ pub async fn register(
                 };
                 match c.register(req).await {
                     Ok(r) => {
+                        let r = r.into_inner();
                         tracing::info!(
                             "registered with the coordinator at {coordinator} (model {})",
-                            r.into_inner().model_path
+                            r.model_path
                         );
-                        return Ok(());
+                        return Ok(r.instance);
                     }
                     // The coordinator answered and said no: retrying won't help.
                     Err(s) if s.code() != tonic::Code::Unavailable => {
@@ -76,4 +78,39 @@ pub async fn register(
     anyhow::bail!(
         "could not register with the coordinator at {coordinator} within {timeout:.0}s: {last_err}"
     )
+}
+
+/// Returns once the coordinator at `coordinator` is another process than
+/// `instance` (the one this worker registered with), asking its Info every
+/// `every`; with the reason. A restarted coordinator knows nothing of this
+/// worker, and a worker holds state for the old one: the worker should exit
+/// so that its supervisor (compose's restart policy, `omnictl up`) starts it
+/// afresh and it registers with the new one. While the coordinator does not
+/// answer, it keeps asking: it may come back.
+pub async fn coordinator_restarted(coordinator: &str, instance: &str, every: Duration) -> String {
+    use omni_proto::coordinator::v1::{inference_client::InferenceClient, InfoRequest};
+    let url = format!("http://{coordinator}");
+    loop {
+        tokio::time::sleep(every).await;
+        let ask = async {
+            let ch = tonic::transport::Endpoint::from_shared(url.clone())
+                .ok()?
+                .connect_timeout(every)
+                .connect()
+                .await
+                .ok()?;
+            let info = InferenceClient::new(ch).info(InfoRequest {}).await.ok()?;
+            Some(info.into_inner().instance)
+        };
+        match tokio::time::timeout(every * 2, ask).await {
+            Ok(Some(now)) if !instance.is_empty() && now != instance => {
+                return format!(
+                    "the coordinator at {coordinator} restarted (it was {instance}, now {now}): \
+                     this worker's state belongs to the old one; exiting so that it starts afresh \
+                     and registers again"
+                );
+            }
+            _ => {}
+        }
+    }
 }
