@@ -186,15 +186,12 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         WorkerKind::Experts,
     )
     .await?;
-    let restarted = omni_transport::registry::coordinator_restarted(
+    let r = omni_transport::registry::serve_while_coordinator_lives(
+        server,
         &cfg.coordinator,
         &instance,
-        std::time::Duration::from_secs(2),
-    );
-    let r = tokio::select! {
-        r = server => r.map_err(anyhow::Error::from).and_then(|r| r.map_err(Into::into)),
-        why = restarted => Err(anyhow::anyhow!(why)),
-    };
+    )
+    .await;
     worker.stop.store(true, Ordering::Relaxed);
     r?;
     tracing::info!("expert worker {id} stopped");

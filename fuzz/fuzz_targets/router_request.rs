@@ -28,46 +28,29 @@ trait Request: serde::de::DeserializeOwned {
     fn prompt_text(&self) -> String;
 }
 
-impl Request for ChatCompletionRequest {
-    fn to_generate(&self) -> Result<GenerateRequest, ApiError> {
-        self.to_generate()
-    }
-    fn validate(&self) -> Result<(), ApiError> {
-        self.validate()
-    }
-    fn n(&self) -> u32 {
-        self.n()
-    }
-    fn flags(&self) -> (bool, bool, bool) {
-        (self.stream(), self.include_usage(), self.logprobs())
-    }
-    fn prompt_text(&self) -> String {
-        let texts = self
-            .messages
-            .iter()
-            .filter_map(|m| m.content.as_ref()?.as_str());
-        texts.collect::<Vec<_>>().join("\n")
-    }
+/// Both types have these as inherent methods of the same names.
+macro_rules! request {
+    ($($t:ty),*) => {$(
+        impl Request for $t {
+            fn to_generate(&self) -> Result<GenerateRequest, ApiError> {
+                self.to_generate()
+            }
+            fn validate(&self) -> Result<(), ApiError> {
+                self.validate()
+            }
+            fn n(&self) -> u32 {
+                self.n()
+            }
+            fn flags(&self) -> (bool, bool, bool) {
+                (self.stream(), self.include_usage(), self.logprobs())
+            }
+            fn prompt_text(&self) -> String {
+                self.prompt_text()
+            }
+        }
+    )*};
 }
-
-impl Request for CompletionRequest {
-    fn to_generate(&self) -> Result<GenerateRequest, ApiError> {
-        self.to_generate()
-    }
-    fn validate(&self) -> Result<(), ApiError> {
-        self.validate()
-    }
-    fn n(&self) -> u32 {
-        self.n()
-    }
-    fn flags(&self) -> (bool, bool, bool) {
-        (self.stream(), self.include_usage(), self.logprobs())
-    }
-    fn prompt_text(&self) -> String {
-        let prompt = self.prompt.as_ref().and_then(|p| p.as_str());
-        prompt.unwrap_or_default().to_string()
-    }
-}
+request!(ChatCompletionRequest, CompletionRequest);
 
 /// A refused request is a 400 that names what is wrong, in OpenAI's error body.
 fn refused(e: ApiError) {

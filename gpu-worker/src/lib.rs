@@ -22,7 +22,7 @@ use omni_proto::worker::v1::{
     ResetRequest, StateChunk, StatusReply, StatusRequest, SwitchReply, Transport, WireReply,
     WireRequest,
 };
-use omni_transport::registry::{coordinator_restarted, listen, register};
+use omni_transport::registry::{listen, register, serve_while_coordinator_lives};
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -186,21 +186,12 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         WorkerKind::Stage,
     )
     .await?;
-    tokio::select! {
-        r = server => r??,
-        why = coordinator_restarted(&cfg.coordinator, &instance, COORDINATOR_CHECK) => {
-            anyhow::bail!(why)
-        }
-    }
+    serve_while_coordinator_lives(server, &cfg.coordinator, &instance).await?;
     tracing::info!("worker {id} stopped");
     Ok(())
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// How often the worker asks whether its coordinator is the one it
-/// registered with.
-const COORDINATOR_CHECK: Duration = Duration::from_secs(2);
 
 struct Svc(Arc<Worker>);
 

@@ -794,6 +794,15 @@ impl ChatCompletionRequest {
         self.logprobs == Some(true)
     }
 
+    /// The messages' text, one per line: what `auto` rules look at.
+    pub fn prompt_text(&self) -> String {
+        self.messages
+            .iter()
+            .filter_map(|m| m.content.as_ref().and_then(|c| c.as_str()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
         if !is_empty_value(&self.tools) {
             return Err(ApiError::unsupported(
@@ -984,6 +993,15 @@ impl CompletionRequest {
     /// tokens' logprobs without alternatives).
     pub fn logprobs(&self) -> bool {
         self.logprobs.is_some()
+    }
+
+    /// The prompt when it is one text: what `auto` rules look at.
+    pub fn prompt_text(&self) -> String {
+        self.prompt
+            .as_ref()
+            .and_then(|p| p.as_str())
+            .unwrap_or_default()
+            .to_string()
     }
 
     fn prompt(&self) -> Result<Prompt, ApiError> {

@@ -419,11 +419,7 @@ impl Api for ChatCompletionRequest {
         &self.model
     }
     fn prompt_text(&self) -> String {
-        self.messages
-            .iter()
-            .filter_map(|m| m.content.as_ref().and_then(|c| c.as_str()))
-            .collect::<Vec<_>>()
-            .join("\n")
+        self.prompt_text()
     }
     fn generate_request(&self) -> Result<GenerateRequest, ApiError> {
         self.to_generate()
@@ -474,11 +470,7 @@ impl Api for CompletionRequest {
         &self.model
     }
     fn prompt_text(&self) -> String {
-        self.prompt
-            .as_ref()
-            .and_then(|p| p.as_str())
-            .unwrap_or_default()
-            .to_string()
+        self.prompt_text()
     }
     fn generate_request(&self) -> Result<GenerateRequest, ApiError> {
         self.to_generate()

@@ -30,7 +30,7 @@ pub async fn listen(
 
 /// Registers with the coordinator at `coordinator`, retrying for `timeout`
 /// seconds while it cannot be reached. Returns the coordinator's instance
-/// (see [`coordinator_restarted`]).
+/// (see [`serve_while_coordinator_lives`]).
 pub async fn register(
     coordinator: &str,
     timeout: f64,
@@ -80,29 +80,48 @@ pub async fn register(
     )
 }
 
-/// Returns once the coordinator at `coordinator` is another process than
-/// `instance` (the one this worker registered with), asking its Info every
-/// `every`; with the reason. A restarted coordinator knows nothing of this
-/// worker, and a worker holds state for the old one: the worker should exit
-/// so that its supervisor (compose's restart policy, `omnictl up`) starts it
-/// afresh and it registers with the new one. While the coordinator does not
-/// answer, it keeps asking: it may come back.
-pub async fn coordinator_restarted(coordinator: &str, instance: &str, every: Duration) -> String {
+/// How often a worker asks whether its coordinator is the process it
+/// registered with.
+const COORDINATOR_CHECK: Duration = Duration::from_secs(2);
+
+/// Runs a worker's gRPC `server` (spawned) until it ends, or until the
+/// coordinator at `coordinator` is another process than `instance` (the
+/// one this worker registered with): then an error with the reason. A
+/// restarted coordinator knows nothing of this worker, and the worker holds
+/// state for the old one: it should exit so that its supervisor (compose's
+/// restart policy) starts it afresh and it registers with the new one.
+pub async fn serve_while_coordinator_lives(
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    coordinator: &str,
+    instance: &str,
+) -> anyhow::Result<()> {
+    tokio::select! {
+        r = server => Ok(r??),
+        why = coordinator_restarted(coordinator, instance) => Err(anyhow::anyhow!(why)),
+    }
+}
+
+/// Returns, with the reason, once the coordinator at `coordinator` answers
+/// Info as another instance than `instance`. While it does not answer, it
+/// keeps asking: it may come back.
+async fn coordinator_restarted(coordinator: &str, instance: &str) -> String {
     use omni_proto::coordinator::v1::{inference_client::InferenceClient, InfoRequest};
     let url = format!("http://{coordinator}");
     loop {
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(COORDINATOR_CHECK).await;
+        // A fresh connection each time: a lazy channel's reconnect backoff
+        // doubled the time to notice a restarted coordinator (4 s -> 8 s).
         let ask = async {
             let ch = tonic::transport::Endpoint::from_shared(url.clone())
                 .ok()?
-                .connect_timeout(every)
+                .connect_timeout(COORDINATOR_CHECK)
                 .connect()
                 .await
                 .ok()?;
             let info = InferenceClient::new(ch).info(InfoRequest {}).await.ok()?;
             Some(info.into_inner().instance)
         };
-        match tokio::time::timeout(every * 2, ask).await {
+        match tokio::time::timeout(COORDINATOR_CHECK * 2, ask).await {
             Ok(Some(now)) if !instance.is_empty() && now != instance => {
                 return format!(
                     "the coordinator at {coordinator} restarted (it was {instance}, now {now}): \
