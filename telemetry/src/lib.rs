@@ -6,7 +6,10 @@
 //! filtered by `OMNI_TRACE` (default `info`). A request carries its W3C
 //! trace context from the router (the HTTP `traceparent` header) to the
 //! coordinator (gRPC metadata) and on to every worker (in the pipeline
-//! frame), so one trace shows the request everywhere it ran.
+//! frame), so one trace shows the request everywhere it ran. `crash` says
+//! how a process died (which signal), to its supervisor and the coordinator.
+
+pub mod crash;
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
