@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Runs in deploy/Dockerfile's builder stage (in /src, the repository):
 # builds omni's binaries, or takes them prebuilt, then lays out the runtime
-# image's whole filesystem in $1: the binaries in /usr/local/bin, the shared
-# libraries they link (found with ldd, so nothing else: no shell, no curl,
-# no package manager), a user, /tmp and /models.
+# image's whole filesystem in $1: the binaries in /usr/local/bin with
+# llama.cpp's shared libraries beside them (libllama, libggml, libggml-base and
+# ggml's CPU backends, one per x86 level, chosen at run time: the binaries
+# find them through their $ORIGIN rpath), the system libraries they link
+# (found with ldd, so nothing else: no shell, no curl, no package manager), a
+# user, /tmp and /models.
 #
 # Where the binaries come from:
 #   - cargo on PATH (the default base, rust:1-bookworm, or a CUDA base with
@@ -50,26 +53,41 @@ for b in "${bins[@]}"; do
     # Without the line tables (about 4x smaller; symbols stay for backtraces).
     if command -v strip >/dev/null; then strip --strip-debug "$out/usr/local/bin/$b"; fi
 done
+# llama.cpp and ggml (the engine's build puts them beside the binaries):
+# linked by soname (lib*.so.0), and the backends ggml loads (libggml-*.so).
+libs=()
+for f in "$from"/lib*.so.[0-9]* "$from"/libggml-*.so; do
+    [ -f "$f" ] || continue
+    install -m 0644 "$f" "$out/usr/local/bin/"
+    libs+=("$out/usr/local/bin/$(basename "$f")")
+done
+if ! ls "$out"/usr/local/bin/libggml-cpu-*.so >/dev/null 2>&1; then
+    echo "build.sh: no ggml CPU backends (libggml-cpu-*.so) beside the binaries in $from" >&2
+    exit 1
+fi
 # The libraries: what ldd resolves for each binary, at the same path (the
 # loader included). The NVIDIA driver's own libraries (libcuda, NVML) are
 # not copied: the NVIDIA container runtime mounts the host's.
 missing=()
-for b in "${bins[@]}"; do
+for path in "${bins[@]/#/$out/usr/local/bin/}" "${libs[@]}"; do
     while read -r line; do
         case "$line" in
             *"not found"*)
                 lib=${line%% *}
-                case "$lib" in libcuda.so*|libnvidia-ml.so*) ;; *) missing+=("$b: $lib") ;; esac
+                case "$lib" in libcuda.so*|libnvidia-ml.so*) ;; *) missing+=("$path: $lib") ;; esac
                 continue ;;
         esac
         for f in $line; do
             case "$f" in
+                "$out"/*) ;; # ours, already in place
                 /*) [ -e "$f" ] || continue
                     mkdir -p "$out$(dirname "$f")"
                     cp -L "$f" "$out$f" ;;
             esac
         done
-    done < <(ldd "$out/usr/local/bin/$b")
+    # The backends find libggml-base beside them (dlopen'ed by a binary that
+    # already has it loaded); ldd needs the directory said.
+    done < <(LD_LIBRARY_PATH="$out/usr/local/bin" ldd "$path")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     printf 'build.sh: a library the binaries need is not in this base: %s\n' "${missing[@]}" >&2

@@ -244,6 +244,8 @@ impl admin_server::Admin for AdminSvc {
                 addr: w.addr.clone(),
                 device: inv.device.clone(),
                 device_name: inv.device_name.clone(),
+                cpu_variant: inv.cpu_variant.clone(),
+                cpu_features: inv.cpu_features.clone(),
                 memory_total: inv.memory_total,
                 memory_free: inv.memory_free,
                 memory_planned: p.planned_bytes,

@@ -720,6 +720,7 @@ async fn watch_worker(
         let _ = events.send(Event::WorkerLost {
             worker: format!("{} ({addr})", w.id),
             why,
+            death: None,
         });
     }
 }

@@ -92,10 +92,12 @@ pub enum Event {
     New(Box<NewSeq>),
     /// The client went away.
     Cancel(u64),
-    /// A worker failed its health check or its link broke.
+    /// A worker failed its health check or its link broke, or it came back
+    /// after it died (`death`: how, "died of SIGILL (illegal instruction)").
     WorkerLost {
         worker: String,
         why: String,
+        death: Option<String>,
     },
     /// Stop at a step boundary: send nothing more and answer once nothing
     /// is in flight (the pipeline is empty), or with why it cannot.
@@ -140,6 +142,9 @@ struct Seq {
     first_token: Option<Instant>,
     /// Recoveries this sequence went through.
     recoveries: u32,
+    /// Of those, how many began with a worker that died while a step of
+    /// this sequence was in flight.
+    crashes: u32,
 }
 
 /// One sequence's part of a step: tokens `from..from + n` of its log,
@@ -188,6 +193,11 @@ pub struct Scheduler {
     replay: Vec<VecDeque<Vec<Entry>>>,
     /// Why the pipeline is being recovered (nothing is sent meanwhile).
     recovering: Option<String>,
+    /// The sequences with a step in flight when the pipeline broke.
+    in_flight_at_loss: Vec<u64>,
+    /// How the worker lost in this recovery died, once it says so
+    /// ("w1 (10.0.0.3:7071) died of SIGILL (illegal instruction)").
+    death: Option<String>,
     /// Set when recovery gave up on the sequences: new requests are refused.
     gave_up: Option<String>,
     /// Results of steps before this id belong to a broken pipeline.
@@ -212,6 +222,8 @@ impl Scheduler {
             logs: (0..n_groups).map(|_| VecDeque::new()).collect(),
             replay: (0..n_groups).map(|_| VecDeque::new()).collect(),
             recovering: None,
+            in_flight_at_loss: Vec::new(),
+            death: None,
             gave_up: None,
             fence: 0,
             recover,
@@ -289,7 +301,10 @@ impl Scheduler {
                     self.drop_seq(id);
                 }
             }
-            Event::WorkerLost { worker, why } => {
+            Event::WorkerLost { worker, why, death } => {
+                if let Some(d) = death {
+                    self.death = Some(format!("{worker} {d}"));
+                }
                 self.begin_recovery(format!("worker {worker} is gone: {why}"));
             }
             Event::Recovered { outbox, fence } => self.recovered(outbox, fence),
@@ -359,6 +374,12 @@ impl Scheduler {
             self.fail_all(why);
             return;
         }
+        self.in_flight_at_loss = self
+            .groups
+            .iter()
+            .flatten()
+            .flat_map(|f| f.flight.entries.iter().map(|e| e.seq))
+            .collect();
         // A replay cut short is replayed again from where it got: its steps
         // in flight and still to send go back to the log, in order.
         for g in 0..self.groups.len() {
@@ -385,6 +406,8 @@ impl Scheduler {
         self.fence = fence;
         self.next_step = self.next_step.max(fence);
         let why = self.recovering.take().unwrap_or_default();
+        let in_flight = std::mem::take(&mut self.in_flight_at_loss);
+        let death = self.death.take();
         self.gave_up = None;
         let mut stopped = Vec::new();
         for (id, s) in self.seqs.iter_mut() {
@@ -401,15 +424,28 @@ impl Scheduler {
             // The replay's first step carries the start again.
             s.started = done > 0;
             s.recoveries += 1;
+            if death.is_some() && in_flight.contains(id) {
+                s.crashes += 1;
+            }
             if s.recoveries > MAX_RECOVERIES {
                 stopped.push(*id);
             }
         }
         for id in stopped {
             if let Some(s) = self.seqs.get(&id) {
-                s.new.fail(Status::unavailable(format!(
-                    "the request was stopped after {MAX_RECOVERIES} recoveries, the last because {why}"
-                )));
+                // A request that was running every time a worker died is
+                // likely what kills it: say so, and how the worker died.
+                let msg = match &death {
+                    Some(d) if s.crashes == s.recoveries => format!(
+                        "the request was stopped because it crashed a worker {} times \
+                         (the last time {d} running this request)",
+                        s.crashes
+                    ),
+                    _ => format!(
+                        "the request was stopped after {MAX_RECOVERIES} recoveries, the last because {why}"
+                    ),
+                };
+                s.new.fail(Status::unavailable(msg));
             }
             self.drop_seq(id);
         }
@@ -531,6 +567,7 @@ impl Scheduler {
                     stops,
                     first_token: None,
                     recoveries: 0,
+                    crashes: 0,
                 },
             );
         }

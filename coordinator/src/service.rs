@@ -41,6 +41,7 @@ impl registry_server::Registry for RegistrySvc {
         let inventory = r
             .inventory
             .ok_or_else(|| Status::invalid_argument("a registration needs the inventory"))?;
+        let last_exit = r.last_exit;
         let w = Registered {
             id: r.worker_id,
             addr: r.grpc_addr,
@@ -60,9 +61,17 @@ impl registry_server::Registry for RegistrySvc {
             // A drained worker runs nothing: the pipeline is not hurt.
             let drained = self.0.admin.is_drained(&id);
             if let Some(ev) = self.0.events.lock().unwrap().as_ref().filter(|_| !drained) {
+                // The supervisor's or the dead process's own word on how
+                // it ended ("died of SIGILL ..."), when there is one.
+                let (why, death) = if last_exit.is_empty() {
+                    ("it restarted (it registered again)".to_string(), None)
+                } else {
+                    (format!("it {last_exit}, and restarted"), Some(last_exit))
+                };
                 let _ = ev.send(Event::WorkerLost {
                     worker: format!("{id} ({addr})"),
-                    why: "it restarted (it registered again)".into(),
+                    why,
+                    death,
                 });
             }
             return Ok(Response::new(RegisterReply {

@@ -59,6 +59,11 @@ pub struct CpuWorkerConfig {
     /// Give up if the coordinator cannot be reached for this long (seconds).
     #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
     pub register_timeout: f64,
+    /// Compute with this ggml CPU variant (x64, sse42, sandybridge, haswell,
+    /// skylakex, icelake, zen4, alderlake, ...) instead of the best one this
+    /// CPU runs: a way around a variant that misbehaves here.
+    #[arg(long, env = "OMNI_CPU_VARIANT")]
+    pub cpu_variant: Option<String>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
@@ -141,7 +146,13 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         .threads
         .or(bound_cpus)
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let inventory = inventory(&binding, threads, cfg.memory)?;
+    let cpu = omni_engine::cpu_backend(cfg.cpu_variant.as_deref())?;
+    tracing::info!("ggml CPU backend: {cpu}");
+    let last_exit =
+        omni_telemetry::crash::arm("omni-cpu-worker", &id, &cfg.coordinator, &cpu.variant);
+    let mut inventory = inventory(&binding, threads, cfg.memory)?;
+    inventory.cpu_variant = cpu.variant;
+    inventory.cpu_features = cpu.features;
     let binding = describe(&binding);
     let (listener, local) = omni_transport::registry::listen(&cfg.listen, &cfg.coordinator).await?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
@@ -184,6 +195,7 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         &advertise,
         inventory,
         WorkerKind::Experts,
+        last_exit.as_deref(),
     )
     .await?;
     let r = omni_transport::registry::serve_while_coordinator_lives(
@@ -233,6 +245,7 @@ fn inventory(binding: &Binding, threads: usize, cap: Option<u64>) -> anyhow::Res
         hostname: sysinfo::System::host_name().unwrap_or_default(),
         host_id: omni_transport::host_id(),
         nvml: false,
+        ..Default::default()
     })
 }
 

@@ -42,4 +42,8 @@ pub enum EngineError {
     Sampling(#[from] crate::sampling::SamplingError),
     #[error("ggml: {0}")]
     Ggml(String),
+    /// No CPU backend could be loaded (libraries missing, a forced variant
+    /// this CPU cannot run).
+    #[error("CPU backend: {0}")]
+    CpuBackend(String),
 }

@@ -116,7 +116,7 @@ impl ExpertStage {
             );
         }
         let weights = Weights::load_named(&model, &wanted, cfg.repack, &mut |_, _| {})?;
-        let backend = CpuBackend::new(cfg.n_threads);
+        let backend = CpuBackend::new(cfg.n_threads).map_err(EngineError::CpuBackend)?;
         let alloc = GraphAllocator::new(backend.buffer_type());
         let mut stage = ExpertStage {
             model,

@@ -386,7 +386,7 @@ impl Weights {
         let g = &model.gguf;
         let hp = &model.hparams;
         let extra = if repack {
-            ggml::cpu_extra_buffer_types()
+            ggml::cpu_extra_buffer_types().map_err(EngineError::CpuBackend)?
         } else {
             Vec::new()
         };
@@ -425,12 +425,8 @@ impl Weights {
         let mut buffers = Vec::new();
         // SAFETY (contract of from_host_ptr): the map lives in `model`, which
         // every stage holds through an Arc for as long as its weights exist.
-        let map_buf = unsafe { Buffer::from_host_ptr(bytes.as_ptr(), bytes.len()) }.ok_or(
-            EngineError::OutOfMemory {
-                what: "weights buffer".into(),
-                bytes: bytes.len() as u64,
-            },
-        )?;
+        let map_buf = unsafe { Buffer::from_host_ptr(bytes.as_ptr(), bytes.len()) }
+            .map_err(EngineError::CpuBackend)?;
         for (idx, info) in &placed {
             // SAFETY: the GGUF reader checked offset + size <= file length.
             unsafe { map_buf.place(mapped.get(*idx), bytes.as_ptr(), info.offset as usize) }
@@ -545,7 +541,7 @@ impl Stage {
                 cfg.kv.n_ctx, hp.n_ctx_train
             )));
         }
-        let backend = CpuBackend::new(cfg.n_threads);
+        let backend = CpuBackend::new(cfg.n_threads).map_err(EngineError::CpuBackend)?;
         let weights = Weights::load(&model, &range, &offloaded, cfg.repack, progress)?;
         let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, &backend)?;
         let alloc = GraphAllocator::new(backend.buffer_type());
@@ -1478,7 +1474,10 @@ impl DeviceExperts {
             .as_ref()
             .map_or(1, |m| m.n_expert_used as i64);
         let repack_buft = if repack {
-            ggml::cpu_extra_buffer_types().first().copied()
+            ggml::cpu_extra_buffer_types()
+                .map_err(EngineError::CpuBackend)?
+                .first()
+                .copied()
         } else {
             None
         };

@@ -1,7 +1,10 @@
-//! Our ggml build (CPU flags chosen in .cargo/config.toml) computes real
-//! matmuls correctly: quantized weights through the same kernels the models
-//! use (repacked and plain), against a plain Rust reference on random data.
-//! A wrong SIMD flag (or AMX sneaking back in) fails here at once.
+//! Our ggml build computes real matmuls correctly: quantized weights through
+//! the same kernels the models use (repacked and plain), against a plain
+//! Rust reference on random data, with the CPU variant chosen for this
+//! machine and with every other variant it runs. A variant built with a
+//! wrong flag, or chosen for a CPU that lacks its instructions, fails here.
+
+mod common;
 
 use omni_engine::GgmlType;
 
@@ -21,7 +24,8 @@ fn check(ty: GgmlType, repack: bool, n: usize) {
     let mut seed = 0x1234_5678_9abc_def0 ^ ty.id() as u64;
     let w = random(rows * k, &mut seed);
     let x = random(n * k, &mut seed);
-    let (ours, reference) = omni_engine::ggml_matmul_check(ty, &w, &x, rows, k, repack);
+    let (ours, reference) =
+        omni_engine::ggml_matmul_check(ty, &w, &x, rows, k, repack).expect("CPU backend");
     assert_eq!(ours.len(), reference.len());
     let rms = (reference.iter().map(|v| v * v).sum::<f32>() / reference.len() as f32).sqrt();
     let worst = ours
@@ -38,6 +42,12 @@ fn check(ty: GgmlType, repack: bool, n: usize) {
 
 #[test]
 fn quantized_matmuls_match_a_plain_reference() {
+    let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
+    eprintln!("CPU backend: {cpu}");
+    assert!(
+        !cpu.features.iter().any(|f| f.starts_with("AMX")) || cpu.forced,
+        "AMX was chosen by itself: {cpu}"
+    );
     for ty in [
         GgmlType::F16,
         GgmlType::Q8_0,
@@ -51,5 +61,31 @@ fn quantized_matmuls_match_a_plain_reference() {
                 check(ty, repack, n);
             }
         }
+    }
+}
+
+/// The automatic choice is the best variant this CPU runs, never one with
+/// AMX (llama.cpp #20824); every variant it runs computes correctly.
+#[test]
+fn every_cpu_variant_this_machine_runs_matches_the_reference() {
+    let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
+    let runnable: Vec<&(String, i32)> = cpu.variants.iter().filter(|(_, s)| *s > 0).collect();
+    assert!(!runnable.is_empty(), "{cpu:?}");
+    if !cpu.forced {
+        let best = runnable
+            .iter()
+            .filter(|(n, s)| n != "sapphirerapids" && s & (1 << 11) == 0)
+            .max_by_key(|(_, s)| *s)
+            .unwrap();
+        assert_eq!(cpu.variant, best.0, "the best variant without AMX: {cpu:?}");
+    }
+    for (name, _) in runnable {
+        let (ok, text) =
+            common::run_with_variant(name, &["quantized_matmuls_match_a_plain_reference"]);
+        assert!(
+            ok && text.contains(&format!("CPU backend: {name}, forced")),
+            "variant {name}:\n{text}"
+        );
+        eprintln!("{name}: matmuls match");
     }
 }

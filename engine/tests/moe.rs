@@ -66,6 +66,15 @@ fn check_synthetic(
     engine.remove_seq(0);
 
     // Greedy: exact ids for all 32 steps, top-5 logits within tolerance.
+    // That holds on the fixtures' kernels. On others a quantized file's
+    // logits drift, and a tiny random MoE turns a small drift into another
+    // expert choice (a jump of about 2 logits at one step). There llama.cpp
+    // built from the source we link, on this machine with the same kernels,
+    // is the reference: the same ids and logits within 0.01 at every step;
+    // the fixture's top-5 are still checked at the README's tolerance for
+    // as long as that llama.cpp agrees with them.
+    let here = !fixture_kernels() && quant != "f32";
+    let path = synthetic(&format!("{name}.gguf"));
     let mut greedy_report = Vec::new();
     for (gi, gen) in fx["generations"].as_array().unwrap().iter().enumerate() {
         let prompt = ids(&gen["prompt_ids"]);
@@ -81,8 +90,39 @@ fn check_synthetic(
         let mut logits = engine.prefill(0, &prompt, 0).unwrap();
         let (mut matched, mut top5_max) = (0, 0.0f32);
         let mut ours_ids = Vec::new();
+        let local = if here {
+            omni_engine::llama_cpp_greedy(&path, &prompt, steps.len(), 2).unwrap()
+        } else {
+            Vec::new()
+        };
+        // The step at which this machine's llama.cpp leaves the fixture.
+        let mut drifted: Option<usize> = None;
         for (i, step) in steps.iter().enumerate() {
+            let mut want_tok = want_ids[i];
+            if let Some((tok, ref_logits)) = local.get(i) {
+                let d = logits
+                    .iter()
+                    .zip(ref_logits)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                if d >= 0.01 {
+                    failures.push(format!(
+                        "prompt {gi} step {i}: logits differ from this machine's llama.cpp by {d}"
+                    ));
+                }
+                let away = step["top5"].as_array().unwrap().iter().any(|pair| {
+                    let tid = pair[0].as_u64().unwrap() as usize;
+                    (ref_logits[tid] - pair[1].as_f64().unwrap() as f32).abs() > tol
+                });
+                if drifted.is_none() && (away || *tok != want_ids[i]) {
+                    drifted = Some(i);
+                }
+                want_tok = *tok;
+            }
             for pair in step["top5"].as_array().unwrap() {
+                if drifted.is_some() {
+                    break;
+                }
                 let (tid, v) = (
                     pair[0].as_u64().unwrap() as usize,
                     pair[1].as_f64().unwrap() as f32,
@@ -97,10 +137,9 @@ fn check_synthetic(
                 }
             }
             let tok = greedy(&logits);
-            if tok != want_ids[i] {
+            if tok != want_tok {
                 failures.push(format!(
-                    "prompt {gi} step {i}: greedy token {tok} but llama.cpp chose {}",
-                    want_ids[i]
+                    "prompt {gi} step {i}: greedy token {tok} but llama.cpp chose {want_tok}"
                 ));
                 break;
             }
@@ -114,8 +153,14 @@ fn check_synthetic(
         }
         greedy_ids.push(ours_ids);
         greedy_report.push(format!(
-            "prompt {gi}: {matched}/{} ids equal, top-5 max |diff| {top5_max:.2e}",
-            steps.len()
+            "prompt {gi}: {matched}/{} ids equal, top-5 max |diff| {top5_max:.2e}{}",
+            steps.len(),
+            match (here, drifted) {
+                (false, _) => String::new(),
+                (true, None) => " (this machine's llama.cpp too)".into(),
+                (true, Some(d)) =>
+                    format!(" (to this machine's llama.cpp; it leaves the fixture at step {d})"),
+            }
         ));
     }
     eprintln!(
@@ -169,6 +214,9 @@ fn qwen3moe_q4_k_m_split_in_two_and_three_matches_llama_cpp() {
 /// Both fixture prompts as two sequences sharing every step (prompts in one
 /// batch, then one decode step for both): each follows its own greedy
 /// reference. Routing is per token, so sharing a step must not mix them.
+/// (A greedy reference is solo: with kernels other than the fixtures' this
+/// also asserts that a quantized file's batched steps pick the same experts
+/// and tokens as solo ones.)
 #[test]
 fn qwen3moe_two_sequences_batched_follow_their_references() {
     two_sequences_batched_follow_their_references("qwen3moe");
@@ -201,7 +249,19 @@ fn two_sequences_batched_follow_their_references(model: &str) {
             l = engine.step(&b).unwrap();
         }
         for (s, g) in gens.iter().enumerate() {
-            assert_eq!(got[s], ids(&g["generated_ids"]), "{name} sequence {s}");
+            // The fixture's ids on its kernels; on others (quantized files
+            // drift, see check_synthetic) those of this machine's llama.cpp.
+            let want = if fixture_kernels() || quant == "f32" {
+                ids(&g["generated_ids"])
+            } else {
+                let path = synthetic(&format!("{name}.gguf"));
+                omni_engine::llama_cpp_greedy(&path, &prompts[s], 32, 2)
+                    .unwrap()
+                    .into_iter()
+                    .map(|(t, _)| t)
+                    .collect()
+            };
+            assert_eq!(got[s], want, "{name} sequence {s}");
         }
     }
 }
@@ -255,7 +315,13 @@ fn qwen3moe_hparams_come_from_the_file() {
     let w = e.stages()[1].weights();
     assert_eq!(
         w.is_repacked("blk.2.ffn_gate_exps.weight"),
-        Some(omni_engine::cpu_features().contains(&"AVX2"))
+        Some(
+            omni_engine::cpu_backend(None)
+                .unwrap()
+                .features
+                .iter()
+                .any(|f| f == "AVX2")
+        )
     );
     assert_eq!(w.is_repacked("blk.2.ffn_down_exps.weight"), Some(false));
     assert_eq!(w.is_repacked("blk.2.ffn_gate_inp.weight"), Some(false));

@@ -1,7 +1,19 @@
 //! The engine against llama.cpp's reference outputs (../shared/fixtures):
 //! tokenizer ids, greedy tokens and top-5 logits of the real Gemma 3 and
 //! Qwen2.5-Coder files, whole and split into chained layer ranges, and
-//! eight sequences batched together.
+//! eight sequences batched together; against the vendored llama.cpp's own
+//! `llama_decode` on this machine; and all of it again with a lower ggml
+//! CPU variant forced.
+//!
+//! Logits depend on the kernels the CPU runs. The fixtures were made with
+//! ggml's AVX-512 kernels (AVX-512 with VBMI, VNNI and BF16, no AVX-VNNI:
+//! the `zen4` variant's set), so they are checked at the README's
+//! tolerances where this process computes with that set. With other
+//! kernels the same llama.cpp moves the logits by up to 1.6 (measured on an
+//! AVX2 Zen 3: haswell and piledriver variants, both models), and greedy
+//! paths part where the reference's top-2 gap is small (at gaps up to 0.35
+//! there); the portable check is then looser, and the exact one is the
+//! comparison with the vendored llama.cpp computing with the same kernels.
 
 mod common;
 
@@ -24,38 +36,48 @@ struct Outcome {
     max_logit_diff: f32,
 }
 
-/// How closely a model must follow the fixture file.
+/// How closely a run must follow the fixture file.
 struct Tolerance {
     /// Max |logit diff| for prompts under / over 100 tokens.
     short: f32,
     long: f32,
     /// Greedy ids must match exactly until the reference's own top-2 gap
-    /// falls below this (None: exactly, except where the fixture marks a near tie).
+    /// falls below this (None: exactly, except where the fixture marks a
+    /// near tie: 1- and 2-thread llama.cpp differ there).
     tie_gap: Option<f32>,
 }
 
-/// The fixtures README's tolerances.
+/// The fixtures README's tolerances, for the fixtures' own kernels.
 const FIXTURE_TOLERANCE: Tolerance = Tolerance {
     short: 0.3,
     long: 1.0,
     tie_gap: None,
 };
 
-/// Gemma 3's fixtures were made by a llama.cpp build whose gemma3 logits
-/// differ from the llama.cpp this crate vendors by up to 1.4 (measured: the
-/// vendored llama.cpp's own `llama_decode` gives our logits to 1e-5, see
-/// `gemma3_matches_vendored_llama_cpp`). Against the fixture we therefore
-/// allow that drift, and require identical greedy ids wherever the
-/// reference's top-2 gap exceeds it.
-const GEMMA_FIXTURE_DRIFT: Tolerance = Tolerance {
-    short: 1.5,
-    long: 1.5,
-    tie_gap: Some(1.5),
+/// Other kernels: the kernel change's own drift (up to 1.6 measured) and
+/// the gaps it flips (up to 0.35 measured), with a margin.
+const CROSS_KERNEL_TOLERANCE: Tolerance = Tolerance {
+    short: 2.0,
+    long: 2.0,
+    tie_gap: Some(0.5),
 };
 
+/// The tolerance for this process's kernels, said once per check.
+fn tolerance() -> &'static Tolerance {
+    let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
+    if fixture_kernels() {
+        eprintln!("CPU backend: {cpu}: the fixtures' kernels, their README's tolerances");
+        &FIXTURE_TOLERANCE
+    } else {
+        eprintln!("CPU backend: {cpu}: not the fixtures' kernels, cross-kernel tolerances");
+        &CROSS_KERNEL_TOLERANCE
+    }
+}
+
 /// Greedy-decodes every fixture prompt and checks ids and top-5 logits.
-fn check_reference(model_file: &str, fixture: &str, split: Option<&[u32]>, tolerance: &Tolerance) {
+fn check_reference(model_file: &str, fixture: &str, split: Option<&[u32]>) {
     let fx = json(fixture);
+    let tolerance = tolerance();
     let mut engine = Engine::load(model(model_file), split, config(1)).expect("model loads");
     let mut failures = Vec::new();
     let mut outcomes = Vec::new();
@@ -150,54 +172,42 @@ fn check_reference(model_file: &str, fixture: &str, split: Option<&[u32]>, toler
 
 #[test]
 fn gemma3_matches_llama_cpp() {
-    check_reference(GEMMA, "real_gemma3_270m.json", None, &GEMMA_FIXTURE_DRIFT);
+    check_reference(GEMMA, "real_gemma3_270m.json", None);
 }
 
 #[test]
 fn qwen2_matches_llama_cpp() {
-    check_reference(
-        QWEN,
-        "real_qwen2_5_coder_0_5b.json",
-        None,
-        &FIXTURE_TOLERANCE,
-    );
+    check_reference(QWEN, "real_qwen2_5_coder_0_5b.json", None);
 }
 
 #[test]
 fn gemma3_split_in_three_matches_llama_cpp() {
-    check_reference(
-        GEMMA,
-        "real_gemma3_270m.json",
-        Some(&[5, 7, 6]),
-        &GEMMA_FIXTURE_DRIFT,
-    );
+    check_reference(GEMMA, "real_gemma3_270m.json", Some(&[5, 7, 6]));
 }
 
 #[test]
 fn qwen2_split_in_two_matches_llama_cpp() {
-    check_reference(
-        QWEN,
-        "real_qwen2_5_coder_0_5b.json",
-        Some(&[9, 15]),
-        &FIXTURE_TOLERANCE,
-    );
+    check_reference(QWEN, "real_qwen2_5_coder_0_5b.json", Some(&[9, 15]));
 }
 
 /// Our graphs against llama.cpp's own `llama_decode`, built from the same
-/// vendored source and flags: identical greedy ids and logits to 0.01 on
-/// every fixture prompt, whole and split in three.
-fn check_against_vendored(model_file: &str, fixture: &str, split: &[u32]) {
+/// vendored source and computing with the same CPU backend: identical greedy
+/// ids and logits to 0.01 on every fixture prompt, whole (and split, given
+/// a split).
+fn check_against_vendored(model_file: &str, fixture: &str, split: Option<&[u32]>) {
     const STEPS: usize = 24;
     let fx = json(fixture);
     let path = model(model_file);
-    let mut whole = Engine::load(&path, None, config(1)).unwrap();
-    let mut parts = Engine::load(&path, Some(split), config(1)).unwrap();
+    let mut engines = vec![Engine::load(&path, None, config(1)).unwrap()];
+    if let Some(split) = split {
+        engines.push(Engine::load(&path, Some(split), config(1)).unwrap());
+    }
     let mut worst = 0.0f32;
     for p in fx["prompts"].as_array().unwrap() {
         let id = p["id"].as_str().unwrap();
         let prompt = ids(&p["prompt_ids"]);
         let reference = omni_engine::llama_cpp_greedy(&path, &prompt, STEPS, 2).unwrap();
-        for engine in [&mut whole, &mut parts] {
+        for engine in engines.iter_mut() {
             engine.remove_seq(0);
             let mut logits = engine.prefill(0, &prompt, 0).unwrap();
             for (i, (want, ref_logits)) in reference.iter().enumerate() {
@@ -230,7 +240,44 @@ fn check_against_vendored(model_file: &str, fixture: &str, split: &[u32]) {
 
 #[test]
 fn gemma3_matches_vendored_llama_cpp() {
-    check_against_vendored(GEMMA, "real_gemma3_270m.json", &[5, 7, 6]);
+    check_against_vendored(GEMMA, "real_gemma3_270m.json", Some(&[5, 7, 6]));
+}
+
+#[test]
+fn qwen2_matches_vendored_llama_cpp() {
+    // Whole only: the split is checked against the fixtures
+    // (qwen2_split_in_two_matches_llama_cpp); it would add a minute.
+    check_against_vendored(QWEN, "real_qwen2_5_coder_0_5b.json", None);
+}
+
+/// The fixture checks again (whole models), in a process that computes with
+/// a lower ggml CPU variant than this machine's choice (forced with
+/// OMNI_CPU_VARIANT): haswell where the choice is above it. (The vendored
+/// comparison is left to the chosen variant: it would double this file's
+/// time, and ggml_build.rs checks every variant's matmuls.)
+#[test]
+fn a_lower_cpu_variant_matches_llama_cpp_too() {
+    let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
+    let lower = lower_variant(&cpu).unwrap_or_else(|| {
+        panic!(
+            "this CPU runs no variant below {} but x64/sse42: nothing to force",
+            cpu.variant
+        )
+    });
+    let (ok, text) = common::run_with_variant(
+        &lower,
+        &["gemma3_matches_llama_cpp", "qwen2_matches_llama_cpp"],
+    );
+    assert!(ok, "with {lower}:\n{text}");
+    assert!(
+        text.contains(&format!("CPU backend: {lower}, forced"))
+            && text.contains("test result: ok. 2 passed"),
+        "{text}"
+    );
+    eprintln!(
+        "forced {lower} (this machine chooses {}): both fixture checks pass",
+        cpu.variant
+    );
 }
 
 fn check_tokenizer(model_file: &str, fixture: &str) {
@@ -274,10 +321,14 @@ fn qwen2_tokenizer_matches_llama_cpp() {
 /// Batched steps use other matmul kernels (many-row gemm instead of one-row
 /// gemv) and another flash-attention path (one query row accumulates V in
 /// FP16, many rows take the tiled FP32 path), so their rounding differs: the
-/// test prints the top-2 logit drift (measured up to 1.29 for Gemma 3).
-/// The near-tie bound is 0.1; measured differences flipped ties of
-/// up to 0.133, so this bound is 0.15 (see the closing notes).
+/// test prints the top-2 logit drift (measured up to 1.29 for Gemma 3 with
+/// the fixtures' AVX-512 kernels, 1.71 with AVX2's).
+/// With the fixtures' kernels measured differences flipped ties of up to
+/// 0.133, so this bound is 0.15.
 const NEAR_TIE: f32 = 0.15;
+/// With other kernels (AVX2 here) the batched path drifts further: a flip
+/// at a solo gap of 0.28 was measured; the cross-kernel bound.
+const NEAR_TIE_OTHER_KERNELS: f32 = 0.5;
 
 fn check_batched(model_file: &str, fixture: &str) {
     const N: usize = 8;
@@ -291,6 +342,11 @@ fn check_batched(model_file: &str, fixture: &str) {
         .map(|p| ids(&p["prompt_ids"]))
         .collect();
     let mut engine = Engine::load(model(model_file), None, config(N)).unwrap();
+    let near_tie = if fixture_kernels() {
+        NEAR_TIE
+    } else {
+        NEAR_TIE_OTHER_KERNELS
+    };
 
     // Solo runs, remembering the top-2 gap at every step.
     let mut solo = Vec::new();
@@ -371,7 +427,7 @@ fn check_batched(model_file: &str, fixture: &str) {
                     "sequence {s}: differs at step {i}; solo top-2 gap there {:.4}",
                     gaps[i]
                 );
-                assert!(gaps[i] < NEAR_TIE, "sequence {s} differs at step {i} batched vs solo, and it is not a near tie (top-2 gap {})", gaps[i]);
+                assert!(gaps[i] < near_tie, "sequence {s} differs at step {i} batched vs solo, and it is not a near tie (top-2 gap {})", gaps[i]);
             }
         }
     }

@@ -52,6 +52,11 @@ pub struct WorkerConfig {
     /// Compute threads (default: every core this process may use).
     #[arg(long, env = "OMNI_WORKER_THREADS")]
     pub threads: Option<usize>,
+    /// Compute with this ggml CPU variant (x64, sse42, sandybridge, haswell,
+    /// skylakex, icelake, zen4, alderlake, ...) instead of the best one this
+    /// CPU runs: a way around a variant that misbehaves here.
+    #[arg(long, env = "OMNI_CPU_VARIANT")]
+    pub cpu_variant: Option<String>,
     /// Offer at most this much memory to the planner (e.g. 6GiB).
     #[arg(long, env = "OMNI_WORKER_MEMORY", value_parser = parse_size)]
     pub memory: Option<u64>,
@@ -125,7 +130,13 @@ struct Worker {
 /// Runs the worker until the process is stopped.
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let id = cfg.worker_id();
-    let inventory = inventory::read(&cfg.device, cfg.memory)?;
+    let cpu = omni_engine::cpu_backend(cfg.cpu_variant.as_deref())?;
+    tracing::info!("ggml CPU backend: {cpu}");
+    let last_exit =
+        omni_telemetry::crash::arm("omni-gpu-worker", &id, &cfg.coordinator, &cpu.variant);
+    let mut inventory = inventory::read(&cfg.device, cfg.memory)?;
+    inventory.cpu_variant = cpu.variant.clone();
+    inventory.cpu_features = cpu.features.clone();
     for g in inventory::gpus() {
         tracing::info!("visible GPU: {g}");
     }
@@ -184,6 +195,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         &advertise,
         inventory,
         WorkerKind::Stage,
+        last_exit.as_deref(),
     )
     .await?;
     serve_while_coordinator_lives(server, &cfg.coordinator, &instance).await?;
@@ -429,6 +441,8 @@ impl worker_server::Worker for Svc {
             memory_total: memory.map_or(0, |m| m.0),
             memory_free: memory.map_or(0, free),
             memory_used: used,
+            cpu_variant: w.inventory.cpu_variant.clone(),
+            cpu_features: w.inventory.cpu_features.clone(),
         }))
     }
 }

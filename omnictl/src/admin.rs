@@ -227,7 +227,8 @@ pub fn workers(a: &WorkersArgs) -> anyhow::Result<()> {
 fn worker_json(w: &WorkerInfo) -> serde_json::Value {
     serde_json::json!({
         "id": w.id, "kind": w.kind, "addr": w.addr, "device": w.device,
-        "device_name": w.device_name, "memory_total": w.memory_total,
+        "device_name": w.device_name, "cpu_variant": w.cpu_variant,
+        "cpu_features": w.cpu_features, "memory_total": w.memory_total,
         "memory_free": w.memory_free, "memory_planned": w.memory_planned,
         "stage": (w.kind == "stage").then_some(w.stage), "layers": w.layers,
         "offloaded": w.offloaded, "kv_cells_used": w.kv_cells_used,
@@ -242,11 +243,12 @@ fn worker_json(w: &WorkerInfo) -> serde_json::Value {
 pub fn workers_table(ws: &[WorkerInfo]) -> String {
     use omni_engine::fmt_bytes;
     let mut out = format!(
-        "{:<6} {:<8} {:<6} {:<10} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
+        "{:<6} {:<8} {:<6} {:<10} {:<14} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
         "worker",
         "kind",
         "stage",
         "device",
+        "cpu variant",
         "total",
         "free",
         "planned",
@@ -281,11 +283,16 @@ pub fn workers_table(ws: &[WorkerInfo]) -> String {
             "-".into()
         };
         out.push_str(&format!(
-            "{:<6} {:<8} {:<6} {:<10} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
+            "{:<6} {:<8} {:<6} {:<10} {:<14} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
             w.id,
             w.kind,
             stage,
             w.device,
+            if w.cpu_variant.is_empty() {
+                "-"
+            } else {
+                &w.cpu_variant
+            },
             fmt_bytes(w.memory_total),
             fmt_bytes(w.memory_free),
             fmt_bytes(w.memory_planned),

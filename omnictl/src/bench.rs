@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// llama.cpp's `llama-bench` binary, to run beside us on the same file.
     #[arg(long)]
     pub llama_bench: Option<std::path::PathBuf>,
+    /// Compute with this ggml CPU variant (haswell, zen4, ...) instead of
+    /// the best one for this CPU.
+    #[arg(long, env = "OMNI_CPU_VARIANT")]
+    pub cpu_variant: Option<String>,
     #[arg(long)]
     pub json: bool,
 }
@@ -55,16 +59,16 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         },
         ..StageConfig::default()
     };
+    let cpu = omni_engine::cpu_backend(a.cpu_variant.as_deref())?;
     let mut engine = Engine::load(&path, None, cfg)?;
     let hp = engine.model.hparams.clone();
-    let features = omni_engine::cpu_features().join(" ");
     eprintln!(
         "omnictl bench: {} ({}), {} threads",
         path.display(),
         hp.arch.name(),
         threads
     );
-    eprintln!("ggml CPU features: {features}");
+    eprintln!("ggml CPU backend: {cpu}");
     let w = engine.stages()[0].weights();
     eprintln!(
         "weights: {} MB mapped, {} MB repacked",
@@ -140,7 +144,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &serde_json::json!({"model": path, "threads": threads, "cpu_features": features, "results": v})
+                &serde_json::json!({"model": path, "threads": threads, "cpu_variant": cpu.variant, "cpu_features": cpu.features, "results": v})
             )?
         );
     } else {

@@ -82,6 +82,11 @@ pub struct UpArgs {
     /// Where the coordinator's admin API listens (default 127.0.0.1:7071).
     #[arg(long)]
     pub admin_listen: Option<String>,
+    /// The workers compute with this ggml CPU variant (haswell, zen4, ...)
+    /// instead of the best one this CPU runs (also OMNI_CPU_VARIANT, which
+    /// the workers inherit).
+    #[arg(long)]
+    pub cpu_variant: Option<String>,
 }
 
 /// Locates a sibling binary (the build puts all of omni's in one directory).
@@ -133,6 +138,7 @@ impl UpArgs {
             gpu_experts: None,
             cpu_memory: None,
             admin_listen: None,
+            cpu_variant: None,
         }
     }
 }
@@ -206,6 +212,11 @@ impl LocalCluster {
                 cmd.args(["--otlp-endpoint", e]);
             }
         };
+        let variant = |cmd: &mut Command| {
+            if let Some(v) = &a.cpu_variant {
+                cmd.args(["--cpu-variant", v]);
+            }
+        };
         traced(&mut c);
         cluster.add("coordinator", c)?;
         // Workers start once the coordinator holds its port: until then a
@@ -235,6 +246,7 @@ impl LocalCluster {
                 w.args(["--memory", m]);
             }
             traced(&mut w);
+            variant(&mut w);
             cluster.add(&name, w)?;
         }
         for i in 0..a.cpu_workers {
@@ -255,6 +267,7 @@ impl LocalCluster {
                 w.args(["--memory", m]);
             }
             traced(&mut w);
+            variant(&mut w);
             cluster.add(&name, w)?;
         }
         if a.port != 0 {
@@ -294,19 +307,22 @@ impl LocalCluster {
                 continue;
             };
             let name = name.clone();
+            let how = omni_telemetry::crash::describe(&status);
             if name == "coordinator" || name == "router" {
-                anyhow::bail!("{name} exited ({status}); stopping the cluster (its log is above)");
+                anyhow::bail!("{name} {how}; stopping the cluster (its log is above)");
             }
             let recent = &mut self.restarts[i];
             recent.retain(|t| t.elapsed() < Duration::from_secs(60));
             if recent.len() >= MAX_RESTARTS_PER_MINUTE {
                 anyhow::bail!(
-                    "{name} exited ({status}) {} times within a minute; stopping the cluster (its log is above)",
+                    "{name} ended {} times within a minute, the last time it {how}; stopping the cluster (its log is above)",
                     recent.len() + 1
                 );
             }
             recent.push(Instant::now());
-            eprintln!("omnictl: {name} exited ({status}); starting it again");
+            eprintln!("omnictl: {name} {how}; starting it again");
+            // The new process tells the coordinator how the last one ended.
+            self.commands[i].env(omni_telemetry::crash::LAST_EXIT_ENV, &how);
             let child = spawn_logged(&name, &mut self.commands[i], self.quiet)?;
             self.children[i].1 = child;
         }
@@ -332,7 +348,10 @@ impl LocalCluster {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some((name, status)) = self.exited() {
-                anyhow::bail!("{name} exited ({status}) before the cluster was ready");
+                anyhow::bail!(
+                    "{name} {} before the cluster was ready",
+                    omni_telemetry::crash::describe(&status)
+                );
             }
             if let Ok(info) = rt.block_on(crate::remote::info(addr, Duration::from_secs(1))) {
                 if info.ready {

@@ -197,6 +197,11 @@ def test_the_image_has_no_shell_no_curl_and_only_what_the_binaries_need(stack):
         assert tool not in names, f"{tool} is in the image"
     for b in ["omni-coordinator", "omni-gpu-worker", "omni-cpu-worker", "omni-router", "omnictl"]:
         assert f"usr/local/bin/{b}" in files
+    # llama.cpp's libraries beside them, and ggml's CPU backends, one per
+    # x86 level (the workers load the best one for the host's CPU).
+    for lib in ["libllama.so.0", "libggml.so.0", "libggml-base.so.0",
+                "libggml-cpu-x64.so", "libggml-cpu-haswell.so", "libggml-cpu-zen4.so"]:
+        assert f"usr/local/bin/{lib}" in files, lib
     allowed = ("usr/local/bin/", "lib/", "lib64/", "usr/lib/", "etc/", "dev/", "proc/", "sys/",
                "tmp/", "models/", "home/", ".dockerenv")
     stray = [f for f in files if not f.endswith("/") and not f.startswith(allowed)]
@@ -233,6 +238,9 @@ def test_the_admin_console_runs_inside_the_coordinator_container(stack):
     # the workers the plan places.)
     assert {"w0", "w1"} <= set(workers), workers
     assert [workers["w0"]["stage"], workers["w1"]["stage"]] == [0, 1], workers
+    # Each worker computes with a ggml CPU variant chosen for this host.
+    for w in ["w0", "w1"]:
+        assert workers[w]["cpu_variant"] and workers[w]["cpu_features"], workers[w]
 
 
 def test_the_brain_network_is_internal_and_only_the_router_is_published(stack):

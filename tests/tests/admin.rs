@@ -120,6 +120,19 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
         );
         assert!(w["last_step_ms"].as_f64().unwrap() > 0.0);
     }
+    // Every worker says which ggml CPU variant it computes with: the one
+    // this machine's best choice is (the test process makes the same one).
+    let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
+    for w in &ws {
+        assert_eq!(w["cpu_variant"], cpu.variant.as_str(), "{w}");
+        let features: Vec<&str> = w["cpu_features"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap())
+            .collect();
+        assert_eq!(features, cpu.features, "{w}");
+    }
     let c0 = &ws[2];
     assert_eq!(c0["kind"], "experts");
     assert_eq!(c0["layers"], info.expert_workers[0].layers.as_str());
@@ -132,9 +145,9 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
     assert!(ok, "{err}");
     for w in ["w0", "w1", "c0"] {
         assert!(
-            table
-                .lines()
-                .any(|l| l.starts_with(w) && l.ends_with("serving")),
+            table.lines().any(|l| l.starts_with(w)
+                && l.ends_with("serving")
+                && l.split_whitespace().any(|c| c == cpu.variant)),
             "{table}"
         );
     }

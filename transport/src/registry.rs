@@ -38,6 +38,7 @@ pub async fn register(
     advertise: &str,
     inventory: Inventory,
     kind: WorkerKind,
+    last_exit: Option<&str>,
 ) -> anyhow::Result<String> {
     let deadline = Instant::now() + Duration::from_secs_f64(timeout);
     let url = format!("http://{coordinator}");
@@ -50,6 +51,7 @@ pub async fn register(
                     grpc_addr: advertise.to_string(),
                     inventory: Some(inventory.clone()),
                     kind: kind as i32,
+                    last_exit: last_exit.unwrap_or_default().to_string(),
                 };
                 match c.register(req).await {
                     Ok(r) => {

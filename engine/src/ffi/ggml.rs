@@ -14,6 +14,8 @@ use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
 use std::sync::Once;
 
+use super::cpu_variant;
+
 use llama_cpp_sys_2 as sys;
 
 pub use sys::ggml_type as RawType;
@@ -31,7 +33,7 @@ static INIT: Once = Once::new();
 
 /// Routes ggml's and llama.cpp's logging away from stderr unless
 /// `OMNI_GGML_LOG=1`: their load chatter would drown our own progress lines.
-pub fn init() {
+pub fn init_logging() {
     INIT.call_once(|| {
         let verbose = std::env::var("OMNI_GGML_LOG").is_ok_and(|v| v == "1");
         if !verbose {
@@ -42,8 +44,6 @@ pub fn init() {
                 sys::llama_log_set(Some(quiet_log), ptr::null_mut());
             }
         }
-        // SAFETY: plain initialisation call with no arguments.
-        unsafe { sys::ggml_cpu_init() };
     });
 }
 
@@ -59,32 +59,26 @@ unsafe extern "C" fn quiet_log(
     }
 }
 
-/// The CPU features ggml was built with *and* this CPU has, as ggml reports them.
-pub fn cpu_features() -> Vec<&'static str> {
-    init();
-    // SAFETY: these are pure queries with no arguments.
-    let checks: [(&str, i32); 13] = unsafe {
-        [
-            ("AVX", sys::ggml_cpu_has_avx()),
-            ("AVX2", sys::ggml_cpu_has_avx2()),
-            ("AVX_VNNI", sys::ggml_cpu_has_avx_vnni()),
-            ("F16C", sys::ggml_cpu_has_f16c()),
-            ("FMA", sys::ggml_cpu_has_fma()),
-            ("BMI2", sys::ggml_cpu_has_bmi2()),
-            ("AVX512", sys::ggml_cpu_has_avx512()),
-            ("AVX512_VBMI", sys::ggml_cpu_has_avx512_vbmi()),
-            ("AVX512_VNNI", sys::ggml_cpu_has_avx512_vnni()),
-            ("AVX512_BF16", sys::ggml_cpu_has_avx512_bf16()),
-            ("AMX_INT8", sys::ggml_cpu_has_amx_int8()),
-            ("LLAMAFILE", sys::ggml_cpu_has_llamafile()),
-            ("NEON", sys::ggml_cpu_has_neon()),
-        ]
-    };
-    checks
-        .into_iter()
-        .filter(|(_, on)| *on != 0)
-        .map(|(n, _)| n)
-        .collect()
+/// The CPU backend this process computes with (loaded on first use: the
+/// variant `OMNI_CPU_VARIANT` names, or the best for this CPU).
+pub fn cpu() -> Result<&'static cpu_variant::Loaded, String> {
+    cpu_variant::load(None)
+}
+
+/// A function the CPU backend exports through its registry (as llama.cpp
+/// reaches them under `GGML_BACKEND_DL`: they are not linked).
+fn cpu_proc(name: &CStr) -> Result<*mut c_void, String> {
+    let reg = cpu()?.reg.0;
+    // SAFETY: a proc-address query by a NUL-terminated name on a valid reg.
+    let f = unsafe { sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr()) };
+    if f.is_null() {
+        Err(format!(
+            "the CPU backend does not export {}",
+            name.to_string_lossy()
+        ))
+    } else {
+        Ok(f)
+    }
 }
 
 /// Bytes of one row of `n` elements of `ty`.
@@ -126,7 +120,7 @@ impl Ctx {
     /// A context with room for `n_tensors` tensor headers (and one graph of
     /// [`GRAPH_NODES`] nodes when `with_graph`).
     pub fn new(n_tensors: usize, with_graph: bool) -> Ctx {
-        init();
+        init_logging();
         // SAFETY: pure size queries.
         let mut size = n_tensors * unsafe { sys::ggml_tensor_overhead() };
         if with_graph {
@@ -644,11 +638,15 @@ impl Buffer {
     /// # Safety
     /// `ptr..ptr+len` must stay valid and unmodified for the buffer's lifetime.
     /// ggml never writes to weight tensors, so read-only memory is fine.
-    pub unsafe fn from_host_ptr(ptr: *const u8, len: usize) -> Option<Buffer> {
-        // SAFETY: caller's contract.
-        let raw = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(ptr as *mut c_void, len) };
+    pub unsafe fn from_host_ptr(ptr: *const u8, len: usize) -> Result<Buffer, String> {
+        let dev = cpu_device()?;
+        // SAFETY: caller's contract; the CPU device wraps host memory as is.
+        let raw = unsafe {
+            sys::ggml_backend_dev_buffer_from_host_ptr(dev, ptr as *mut c_void, len, len)
+        };
         let buf = Buffer {
-            raw: NonNull::new(raw)?,
+            raw: NonNull::new(raw)
+                .ok_or_else(|| format!("ggml could not wrap {len} bytes of mapped memory"))?,
         };
         // SAFETY: valid buffer.
         unsafe {
@@ -657,7 +655,7 @@ impl Buffer {
                 sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
             )
         };
-        Some(buf)
+        Ok(buf)
     }
 
     /// Allocates memory for every tensor of `ctx` from the buffer type `buft`.
@@ -713,23 +711,21 @@ impl BufferType {
     }
 }
 
-fn cpu_device() -> sys::ggml_backend_dev_t {
-    init();
-    // SAFETY: the CPU backend is always registered; device 0 is the CPU.
-    unsafe { sys::ggml_backend_reg_dev_get(sys::ggml_backend_cpu_reg(), 0) }
+fn cpu_device() -> Result<sys::ggml_backend_dev_t, String> {
+    let reg = cpu()?.reg.0;
+    // SAFETY: the CPU backend registers exactly one device.
+    let dev = unsafe { sys::ggml_backend_reg_dev_get(reg, 0) };
+    if dev.is_null() {
+        Err("the CPU backend has no device".into())
+    } else {
+        Ok(dev)
+    }
 }
 
 /// The CPU's extra buffer types (repacking), as llama.cpp looks them up.
-pub fn cpu_extra_buffer_types() -> Vec<BufferType> {
-    let dev = cpu_device();
-    let name = c"ggml_backend_dev_get_extra_bufts";
-    // SAFETY: querying a proc address by a NUL-terminated name.
-    let f = unsafe {
-        sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_cpu_reg(), name.as_ptr())
-    };
-    if f.is_null() {
-        return Vec::new();
-    }
+pub fn cpu_extra_buffer_types() -> Result<Vec<BufferType>, String> {
+    let dev = cpu_device()?;
+    let f = cpu_proc(c"ggml_backend_dev_get_extra_bufts")?;
     type GetExtra =
         unsafe extern "C" fn(sys::ggml_backend_dev_t) -> *mut sys::ggml_backend_buffer_type_t;
     // SAFETY: ggml documents this proc's signature as `ggml_backend_dev_get_extra_bufts_t`.
@@ -743,7 +739,7 @@ pub fn cpu_extra_buffer_types() -> Vec<BufferType> {
             p = p.add(1);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Would a `mul_mat(weight, x)` with `weight` stored in `buft` run on the CPU?
@@ -763,7 +759,8 @@ pub fn buft_supports_mul_mat(buft: BufferType, weight: Tensor<'_>) -> bool {
     let x = ctx.new_tensor(TYPE_F32, &[ne[0], 512]);
     let op = ctx.mul_mat(w, x);
     // SAFETY: valid device and op; then free the dummy buffer we allocated.
-    let ok = unsafe { sys::ggml_backend_dev_supports_op(cpu_device(), op.raw()) };
+    let ok =
+        cpu_device().is_ok_and(|dev| unsafe { sys::ggml_backend_dev_supports_op(dev, op.raw()) });
     unsafe {
         (*w.raw()).buffer = ptr::null_mut();
         sys::ggml_backend_buffer_free(dummy);
@@ -789,7 +786,8 @@ pub fn buft_supports_mul_mat_id(buft: BufferType, weight: Tensor<'_>, n_used: i6
     let ids = ctx.new_tensor(TYPE_I32, &[n_used, 512]);
     let op = ctx.mul_mat_id(w, x, ids);
     // SAFETY: valid device and op; then free the dummy buffer we allocated.
-    let ok = unsafe { sys::ggml_backend_dev_supports_op(cpu_device(), op.raw()) };
+    let ok =
+        cpu_device().is_ok_and(|dev| unsafe { sys::ggml_backend_dev_supports_op(dev, op.raw()) });
     unsafe {
         (*w.raw()).buffer = ptr::null_mut();
         sys::ggml_backend_buffer_free(dummy);
@@ -806,16 +804,20 @@ pub struct CpuBackend {
 unsafe impl Send for CpuBackend {}
 
 impl CpuBackend {
-    pub fn new(n_threads: usize) -> CpuBackend {
-        init();
-        // SAFETY: plain constructor.
-        let raw = unsafe { sys::ggml_backend_cpu_init() };
+    pub fn new(n_threads: usize) -> Result<CpuBackend, String> {
+        let dev = cpu_device()?;
+        // SAFETY: the CPU device's constructor takes no parameters.
+        let raw = unsafe { sys::ggml_backend_dev_init(dev, ptr::null()) };
         let b = CpuBackend {
-            raw: NonNull::new(raw).expect("ggml_backend_cpu_init failed"),
+            raw: NonNull::new(raw).ok_or("the CPU backend could not start")?,
         };
+        type SetThreads = unsafe extern "C" fn(sys::ggml_backend_t, i32);
+        let f = cpu_proc(c"ggml_backend_set_n_threads")?;
+        // SAFETY: ggml documents this proc's signature as `ggml_backend_set_n_threads_t`.
+        let set: SetThreads = unsafe { std::mem::transmute::<*mut c_void, SetThreads>(f) };
         // SAFETY: valid CPU backend.
-        unsafe { sys::ggml_backend_cpu_set_n_threads(b.raw.as_ptr(), n_threads.max(1) as i32) };
-        b
+        unsafe { set(b.raw.as_ptr(), n_threads.max(1) as i32) };
+        Ok(b)
     }
 
     pub fn buffer_type(&self) -> BufferType {
@@ -944,8 +946,8 @@ pub fn matmul_check(
     rows: usize,
     k: usize,
     repack: bool,
-) -> (Vec<f32>, Vec<f32>) {
-    init();
+) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let backend = CpuBackend::new(2)?;
     let n = x.len() / k;
     let mut q = vec![0u8; row_size(ty, k as i64) * rows];
     // SAFETY: `w` has rows*k floats; `q` is sized by ggml's own row size.
@@ -985,12 +987,11 @@ pub fn matmul_check(
 
     let mut store = TensorStore::new(1);
     let wi = store.add(ty, &[k as i64, rows as i64], "w");
-    let buft = cpu_extra_buffer_types()
+    let buft = cpu_extra_buffer_types()?
         .into_iter()
         .find(|b| repack && buft_supports_mul_mat(*b, store.get(wi)));
-    let backend = CpuBackend::new(2);
     let _buf = Buffer::alloc_ctx(store.ctx(), buft.unwrap_or(backend.buffer_type()))
-        .expect("small buffer");
+        .ok_or("no memory for a small buffer")?;
     store.get(wi).write_bytes(&q);
     let ctx = Ctx::new(8, true);
     let xt = ctx.input(TYPE_F32, &[k as i64, n as i64], "x");
@@ -998,11 +999,11 @@ pub fn matmul_check(
     let mut graph = ctx.new_graph();
     graph.expand(y);
     let mut alloc = GraphAllocator::new(backend.buffer_type());
-    alloc.alloc(&graph).expect("graph fits");
+    alloc.alloc(&graph)?;
     xt.write(x);
     let mut backend = backend;
-    backend.compute(&graph).expect("compute");
+    backend.compute(&graph)?;
     let mut out = Vec::new();
     y.read_f32(&mut out);
-    (out, reference)
+    Ok((out, reference))
 }

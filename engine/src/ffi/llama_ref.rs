@@ -17,7 +17,9 @@ pub fn greedy(
     n_gen: usize,
     n_threads: usize,
 ) -> Result<Vec<(u32, Vec<f32>)>, String> {
-    super::ggml::init();
+    // llama.cpp computes with the CPU backend this process loaded (it loads
+    // none itself while one is registered).
+    super::ggml::cpu()?;
     let c_path =
         CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| "path has a NUL byte")?;
     let n_ctx = (prompt.len() + n_gen + 64).next_multiple_of(256) as u32;

@@ -23,7 +23,7 @@ impl Vocab {
     /// Loads only the vocabulary of the GGUF at `path`. The caller has already
     /// validated the file (architecture, keys) with our own reader.
     pub fn load(path: &Path) -> Result<Vocab, String> {
-        super::ggml::init();
+        super::ggml::init_logging();
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| "path contains a NUL byte".to_string())?;
         // SAFETY: default params from llama.cpp, then only plain fields changed.

@@ -243,3 +243,81 @@ pub fn logit_tolerance(name: &str) -> f32 {
         0.25
     }
 }
+
+// ggml's CPU variants.
+
+/// The ggml features whose kernels the fixtures' llama.cpp builds ran: the
+/// real models' (their README: AVX-512 with VBMI, VNNI and BF16, no AVX-VNNI,
+/// no AMX; the `zen4` variant's set) and, as far as their README says
+/// (Sapphire Rapids, native flags without AMX), the synthetic ones'.
+pub const FIXTURE_KERNELS: [&str; 9] = [
+    "AVX",
+    "AVX2",
+    "FMA",
+    "F16C",
+    "BMI2",
+    "AVX512",
+    "AVX512_VBMI",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+];
+
+/// Does this process compute with the fixtures' kernels (the x86 SIMD
+/// features ggml reports, compared as sets)?
+pub fn fixture_kernels() -> bool {
+    // The x86 SIMD features ggml reports that the fixtures' build left out.
+    const OTHER_SIMD: [&str; 2] = ["AVX_VNNI", "AMX_INT8"];
+    let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
+    let mut ours: Vec<&str> = cpu
+        .features
+        .iter()
+        .map(String::as_str)
+        .filter(|f| FIXTURE_KERNELS.contains(f) || OTHER_SIMD.contains(f))
+        .collect();
+    ours.sort_unstable();
+    let mut want = FIXTURE_KERNELS.to_vec();
+    want.sort_unstable();
+    ours == want
+}
+
+/// The variant to force when a test checks a lower one than this machine's
+/// choice: haswell (AVX2, no AVX-512) where the choice is above it, else
+/// the best one below the choice, leaving out x64 and sse42 (no AVX: they
+/// run the real models several times slower). None on a machine where
+/// nothing lower is left.
+pub fn lower_variant(cpu: &omni_engine::CpuBackendInfo) -> Option<String> {
+    let score = |name: &str| {
+        cpu.variants
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0, |(_, s)| *s)
+    };
+    let mine = score(&cpu.variant);
+    if score("haswell") > 0 && score("haswell") < mine {
+        return Some("haswell".into());
+    }
+    cpu.variants
+        .iter()
+        .filter(|(n, s)| *s > 0 && *s < mine && n != "x64" && n != "sse42")
+        .max_by_key(|(_, s)| *s)
+        .map(|(n, _)| n.clone())
+}
+
+/// Runs the named tests of this test binary again in a child process that
+/// computes with `variant` (forced through `OMNI_CPU_VARIANT`), one at a
+/// time; returns whether they passed and what they printed.
+pub fn run_with_variant(variant: &str, tests: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .arg("--exact")
+        .args(tests)
+        .args(["--test-threads", "1", "--nocapture"])
+        .env("OMNI_CPU_VARIANT", variant)
+        .output()
+        .expect("the test binary runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
