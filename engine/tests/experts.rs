@@ -287,7 +287,11 @@ struct Fixture {
 fn fixture(name: &str) -> Fixture {
     let fx = json(&format!("synthetic/ref_{name}.json"));
     let gens = fx["generations"].as_array().unwrap();
-    let want_ids: Vec<Vec<u32>> = gens.iter().map(|g| ids(&g["generated_ids"])).collect();
+    let path = synthetic(&format!("{name}.gguf"));
+    let want_ids: Vec<Vec<u32>> = gens
+        .iter()
+        .map(|g| greedy_ids_here(&path, &ids(&g["prompt_ids"]), ids(&g["generated_ids"])))
+        .collect();
     Fixture {
         tokens: ids(&fx["teacher_forced"]["input_ids"]),
         want_tf: read_npy_f32(&fixtures_dir().join(format!("synthetic/tf_logits_{name}.npy"))).1,

@@ -251,16 +251,11 @@ fn two_sequences_batched_follow_their_references(model: &str) {
         for (s, g) in gens.iter().enumerate() {
             // The fixture's ids on its kernels; on others (quantized files
             // drift, see check_synthetic) those of this machine's llama.cpp.
-            let want = if fixture_kernels() || quant == "f32" {
-                ids(&g["generated_ids"])
-            } else {
-                let path = synthetic(&format!("{name}.gguf"));
-                omni_engine::llama_cpp_greedy(&path, &prompts[s], 32, 2)
-                    .unwrap()
-                    .into_iter()
-                    .map(|(t, _)| t)
-                    .collect()
-            };
+            let want = greedy_ids_here(
+                &synthetic(&format!("{name}.gguf")),
+                &prompts[s],
+                ids(&g["generated_ids"]),
+            );
             assert_eq!(got[s], want, "{name} sequence {s}");
         }
     }

@@ -97,7 +97,11 @@ fn text_prompt_gives_llama_cpp_tokens() {
     let fx = json("real_qwen2_5_coder_0_5b.json");
     let p = &fx["prompts"][0];
     let text = p["text"].as_str().unwrap().to_string();
-    let want: Vec<u32> = omni_tests::fixtures::ids(&p["generated_ids"]);
+    let want: Vec<u32> = omni_tests::fixtures::greedy_ids_here(
+        &model(QWEN),
+        &omni_tests::fixtures::ids(&p["prompt_ids"]),
+        omni_tests::fixtures::ids(&p["generated_ids"]),
+    );
     let _g = serial();
     let cluster = Cluster::start(&model(QWEN), &ClusterSpec::new(2, "shm"));
     let ev = cluster
@@ -516,7 +520,11 @@ fn moe_models_split_across_workers_give_llama_cpp_tokens() {
             let cluster = Cluster::start(&file, &ClusterSpec::new(2, transport));
             for g in fx["generations"].as_array().unwrap() {
                 let prompt = omni_tests::fixtures::ids(&g["prompt_ids"]);
-                let want = omni_tests::fixtures::ids(&g["generated_ids"]);
+                let want = omni_tests::fixtures::greedy_ids_here(
+                    &file,
+                    &prompt,
+                    omni_tests::fixtures::ids(&g["generated_ids"]),
+                );
                 let ev = cluster
                     .generate(greedy(&prompt, want.len()))
                     .unwrap_or_else(|e| panic!("{e}\n{}", cluster.logs()));

@@ -44,10 +44,13 @@ fn generations(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
         .unwrap()
         .iter()
         .map(|g| {
-            (
-                omni_tests::fixtures::ids(&g["prompt_ids"]),
+            let prompt = omni_tests::fixtures::ids(&g["prompt_ids"]);
+            let want = omni_tests::fixtures::greedy_ids_here(
+                &file(name),
+                &prompt,
                 omni_tests::fixtures::ids(&g["generated_ids"]),
-            )
+            );
+            (prompt, want)
         })
         .collect()
 }

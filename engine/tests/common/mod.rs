@@ -321,3 +321,19 @@ pub fn run_with_variant(variant: &str, tests: &[&str]) -> (bool, String) {
     );
     (out.status.success(), text)
 }
+
+/// The greedy ids a fixture's generation gives on this machine: the
+/// fixture's own on its kernels; on others, where a quantized tiny MoE can
+/// pick another expert and a real model break a near tie (llama.cpp itself
+/// does, there), those of the vendored llama.cpp run here, which
+/// `moe.rs` and `reference.rs` hold the engine to step by step.
+pub fn greedy_ids_here(path: &std::path::Path, prompt: &[u32], fixture_ids: Vec<u32>) -> Vec<u32> {
+    if fixture_kernels() {
+        return fixture_ids;
+    }
+    omni_engine::llama_cpp_greedy(path, prompt, fixture_ids.len(), 2)
+        .expect("the vendored llama.cpp runs the file")
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect()
+}
