@@ -151,8 +151,8 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
     let last_exit =
         omni_telemetry::crash::arm("omni-cpu-worker", &id, &cfg.coordinator, &cpu.variant);
     let mut inventory = inventory(&binding, threads, cfg.memory)?;
-    inventory.cpu_variant = cpu.variant;
-    inventory.cpu_features = cpu.features;
+    inventory.cpu_variant = cpu.variant.clone();
+    inventory.cpu_features = cpu.features.clone();
     let binding = describe(&binding);
     let (listener, local) = omni_transport::registry::listen(&cfg.listen, &cfg.coordinator).await?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());

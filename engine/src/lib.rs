@@ -47,54 +47,16 @@ pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConf
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use units::{fmt_bytes, parse_size};
 
-/// The CPU backend a process computes with: one of ggml's per-CPU-level
-/// libraries, loaded on first use (see `ffi/cpu_variant.rs`).
 #[cfg(feature = "ggml")]
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CpuBackendInfo {
-    /// The variant's name (`haswell`, `zen4`, ...).
-    pub variant: String,
-    /// What ggml reports it uses (`AVX2`, `AVX512_VNNI`, `REPACK`, ...).
-    pub features: Vec<String>,
-    /// Forced by `OMNI_CPU_VARIANT` / `--cpu-variant` (else chosen as the best).
-    pub forced: bool,
-    pub path: std::path::PathBuf,
-    /// Every variant the build has, best first, with ggml's score on this
-    /// CPU (0: it uses instructions this CPU lacks).
-    pub variants: Vec<(String, i32)>,
-}
-
-#[cfg(feature = "ggml")]
-impl std::fmt::Display for CpuBackendInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}{} ({})",
-            self.variant,
-            if self.forced { ", forced" } else { "" },
-            self.features.join(" ")
-        )
-    }
-}
+pub use ffi::cpu_variant::{Candidate as CpuVariant, CpuBackendInfo};
 
 /// Loads (once per process) and describes the CPU backend. `request` forces
 /// a variant (a service's `--cpu-variant`; else `OMNI_CPU_VARIANT`; else the
 /// best this CPU runs, never one with AMX). Call it at start, before
 /// anything computes, to fail early with the reason.
 #[cfg(feature = "ggml")]
-pub fn cpu_backend(request: Option<&str>) -> Result<CpuBackendInfo, EngineError> {
-    let l = ffi::cpu_variant::load(request).map_err(EngineError::CpuBackend)?;
-    Ok(CpuBackendInfo {
-        variant: l.name.clone(),
-        features: l.features.clone(),
-        forced: l.forced,
-        path: l.path.clone(),
-        variants: l
-            .candidates
-            .iter()
-            .map(|c| (c.name.clone(), c.score))
-            .collect(),
-    })
+pub fn cpu_backend(request: Option<&str>) -> Result<&'static CpuBackendInfo, EngineError> {
+    ffi::cpu_variant::load(request).map_err(EngineError::CpuBackend)
 }
 
 /// llama.cpp's own greedy decoding of a whole model (same vendored source

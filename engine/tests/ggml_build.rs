@@ -69,17 +69,20 @@ fn quantized_matmuls_match_a_plain_reference() {
 #[test]
 fn every_cpu_variant_this_machine_runs_matches_the_reference() {
     let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
-    let runnable: Vec<&(String, i32)> = cpu.variants.iter().filter(|(_, s)| *s > 0).collect();
+    let runnable: Vec<_> = cpu.candidates.iter().filter(|c| c.score > 0).collect();
     assert!(!runnable.is_empty(), "{cpu:?}");
     if !cpu.forced {
         let best = runnable
             .iter()
-            .filter(|(n, s)| n != "sapphirerapids" && s & (1 << 11) == 0)
-            .max_by_key(|(_, s)| *s)
+            .filter(|c| c.name != "sapphirerapids" && c.score & (1 << 11) == 0)
+            .max_by_key(|c| c.score)
             .unwrap();
-        assert_eq!(cpu.variant, best.0, "the best variant without AMX: {cpu:?}");
+        assert_eq!(
+            cpu.variant, best.name,
+            "the best variant without AMX: {cpu:?}"
+        );
     }
-    for (name, _) in runnable {
+    for name in runnable.iter().map(|c| c.name.as_str()) {
         let (ok, text) =
             common::run_with_variant(name, &["quantized_matmuls_match_a_plain_reference"]);
         assert!(

@@ -258,7 +258,7 @@ fn qwen2_matches_vendored_llama_cpp() {
 #[test]
 fn a_lower_cpu_variant_matches_llama_cpp_too() {
     let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
-    let lower = lower_variant(&cpu).unwrap_or_else(|| {
+    let lower = lower_variant(cpu).unwrap_or_else(|| {
         panic!(
             "this CPU runs no variant below {} but x64/sse42: nothing to force",
             cpu.variant

@@ -29,7 +29,14 @@ const FATAL: [libc::c_int; 5] = [
 
 /// `SIGILL (illegal instruction)`: a signal's name and what it means.
 pub fn signal_text(sig: i32) -> String {
-    let (name, what) = match sig {
+    match signal_name(sig) {
+        Some((name, what)) => format!("{name} ({what})"),
+        None => format!("signal {sig}"),
+    }
+}
+
+fn signal_name(sig: i32) -> Option<(&'static str, &'static str)> {
+    Some(match sig {
         libc::SIGILL => ("SIGILL", "illegal instruction"),
         libc::SIGSEGV => ("SIGSEGV", "segmentation fault"),
         libc::SIGBUS => ("SIGBUS", "bus error"),
@@ -40,9 +47,8 @@ pub fn signal_text(sig: i32) -> String {
         libc::SIGINT => ("SIGINT", "interrupted"),
         libc::SIGHUP => ("SIGHUP", "hang-up"),
         libc::SIGPIPE => ("SIGPIPE", "broken pipe"),
-        _ => return format!("signal {sig}"),
-    };
-    format!("{name} ({what})")
+        _ => return None,
+    })
 }
 
 /// How a child ended, in words: "died of SIGILL (illegal instruction)",
@@ -55,10 +61,9 @@ pub fn describe(status: &ExitStatus) -> String {
         } else {
             ""
         };
-        let text = signal_text(sig);
-        match text.strip_suffix(')') {
-            Some(t) if !core.is_empty() => format!("died of {t}{core})"),
-            _ => format!("died of {text}"),
+        match signal_name(sig) {
+            Some((name, what)) => format!("died of {name} ({what}{core})"),
+            None => format!("died of signal {sig}{core}"),
         }
     } else {
         match status.code() {
@@ -101,14 +106,6 @@ fn record_path(id: &str, coordinator: &str) -> PathBuf {
 /// supervisor's `OMNI_WORKER_LAST_EXIT`. A SIGILL's text names `cpu_variant`, the
 /// ggml CPU variant the process computes with: the likeliest reason for one.
 pub fn arm(service: &str, id: &str, coordinator: &str, cpu_variant: &str) -> Option<String> {
-    let last = arm_handlers(service, id, coordinator, cpu_variant);
-    if let Some(e) = &last {
-        tracing::warn!("the previous process of worker {id} {e}");
-    }
-    last
-}
-
-fn arm_handlers(service: &str, id: &str, coordinator: &str, cpu_variant: &str) -> Option<String> {
     let path = record_path(id, coordinator);
     let recorded = std::fs::read_to_string(&path)
         .ok()
@@ -123,6 +120,9 @@ fn arm_handlers(service: &str, id: &str, coordinator: &str, cpu_variant: &str) -
     // itself as it died (each start removes it), and says more (the CPU
     // variant); the supervisor's word covers the signals no handler sees.
     let last = recorded.or(from_supervisor);
+    if let Some(e) = &last {
+        tracing::warn!("the previous process of worker {id} {e}");
+    }
     let Ok(record) = CString::new(path.as_os_str().as_encoded_bytes()) else {
         return last;
     };

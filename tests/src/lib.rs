@@ -32,6 +32,28 @@ pub fn target_bin(name: &str) -> PathBuf {
 }
 
 /// A port nobody listens on right now.
+/// `omnictl ARGS --admin ADDR [--token T]`, with `OMNI_ADMIN_TOKEN` unset
+/// so that only the flag counts: (succeeded, stdout, stderr).
+pub fn omnictl_admin(
+    admin_addr: &str,
+    token: Option<&str>,
+    args: &[&str],
+) -> (bool, String, String) {
+    let mut cmd = Command::new(target_bin("omnictl"));
+    cmd.args(args)
+        .args(["--admin", admin_addr])
+        .env_remove("OMNI_ADMIN_TOKEN");
+    if let Some(t) = token {
+        cmd.args(["--token", t]);
+    }
+    let out = cmd.output().expect("omnictl runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

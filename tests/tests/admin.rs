@@ -11,8 +11,7 @@
 use omni_proto::admin::v1::{admin_client::AdminClient, ListWorkersRequest};
 use omni_proto::coordinator::v1::{inference_client::InferenceClient, InfoRequest};
 use omni_tests::fixtures::fixtures_dir;
-use omni_tests::{target_bin, Cluster, ClusterSpec};
-use std::process::Command;
+use omni_tests::{Cluster, ClusterSpec};
 
 const TOKEN: &str = "adm-7f3e";
 
@@ -40,19 +39,7 @@ fn cluster(token: Option<&str>) -> Cluster {
 
 /// `omnictl ARGS` with the admin address; (success, stdout, stderr).
 fn omnictl(c: &Cluster, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
-    let mut cmd = Command::new(target_bin("omnictl"));
-    cmd.args(args)
-        .args(["--admin", &c.admin_addr])
-        .env_remove("OMNI_ADMIN_TOKEN");
-    if let Some(t) = token {
-        cmd.args(["--token", t]);
-    }
-    let out = cmd.output().expect("omnictl runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    omni_tests::omnictl_admin(&c.admin_addr, token, args)
 }
 
 #[test]

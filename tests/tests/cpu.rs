@@ -45,29 +45,16 @@ fn up(model: &std::path::Path, extra: &[&str]) -> Supervised {
 
 /// `omnictl workers --json` of a running cluster.
 fn workers(c: &Supervised) -> Vec<serde_json::Value> {
-    let out = Command::new(target_bin("omnictl"))
-        .args([
-            "workers",
-            "--json",
-            "--admin",
-            &c.admin_addr,
-            "--token",
-            TOKEN,
-        ])
-        .output()
-        .expect("omnictl runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON")
+    let (ok, out, err) =
+        omni_tests::omnictl_admin(&c.admin_addr, Some(TOKEN), &["workers", "--json"]);
+    assert!(ok, "{err}");
+    serde_json::from_str(&out).expect("JSON")
 }
 
 #[test]
 fn workers_compute_with_the_cpu_variant_they_are_given_and_say_so() {
     let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
-    let Some(lower) = lower_variant(&cpu) else {
+    let Some(lower) = lower_variant(cpu) else {
         panic!(
             "this CPU runs no variant below {} but x64/sse42: nothing to force",
             cpu.variant

@@ -58,16 +58,7 @@ fn cluster(worker_args: Vec<Vec<String>>) -> Cluster {
 
 /// `omnictl ARGS --admin .. --token ..`: (success, stdout, stderr).
 fn omnictl(c: &Cluster, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(target_bin("omnictl"))
-        .args(args)
-        .args(["--admin", &c.admin_addr, "--token", TOKEN])
-        .output()
-        .expect("omnictl runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    omni_tests::omnictl_admin(&c.admin_addr, Some(TOKEN), args)
 }
 
 /// A move that must succeed; its JSON reply.

@@ -48,18 +48,34 @@ impl Candidate {
     }
 }
 
-/// The CPU backend this process loaded.
+/// The CPU backend this process loaded (one of ggml's per-CPU-level
+/// libraries), as `omni_engine::cpu_backend` describes it.
 #[derive(Debug)]
-pub struct Loaded {
-    pub name: String,
+pub struct CpuBackendInfo {
+    /// The variant's name (`haswell`, `zen4`, ...).
+    pub variant: String,
     pub path: PathBuf,
     /// What ggml reports the loaded backend uses (AVX2, AVX512_VNNI, ...).
     pub features: Vec<String>,
     /// Chosen by `OMNI_CPU_VARIANT` / `--cpu-variant` rather than automatically.
     pub forced: bool,
-    /// Every variant found, best first, with its score on this CPU.
+    /// Every variant the build has, best first, with ggml's score on this
+    /// CPU (0: it uses instructions this CPU lacks).
     pub candidates: Vec<Candidate>,
     pub(crate) reg: Reg,
+}
+
+impl std::fmt::Display for CpuBackendInfo {
+    /// `haswell (SSE3 SSSE3 AVX AVX2 ...)`, `, forced` after the name when forced.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}{} ({})",
+            self.variant,
+            if self.forced { ", forced" } else { "" },
+            self.features.join(" ")
+        )
+    }
 }
 
 #[derive(Debug)]
@@ -70,13 +86,13 @@ pub(crate) struct Reg(pub(crate) sys::ggml_backend_reg_t);
 unsafe impl Send for Reg {}
 unsafe impl Sync for Reg {}
 
-static LOADED: OnceLock<Result<Loaded, String>> = OnceLock::new();
+static LOADED: OnceLock<Result<CpuBackendInfo, String>> = OnceLock::new();
 
 /// The CPU backend, loaded on first use. `request` (a service's flag) wins
 /// over `OMNI_CPU_VARIANT`; without either the best variant is chosen. A
 /// request that differs from what an earlier call already loaded is an error:
 /// a process computes with one variant.
-pub fn load(request: Option<&str>) -> Result<&'static Loaded, String> {
+pub fn load(request: Option<&str>) -> Result<&'static CpuBackendInfo, String> {
     let env = std::env::var(ENV).ok().filter(|v| !v.trim().is_empty());
     let wanted = request
         .filter(|r| !r.trim().is_empty())
@@ -87,17 +103,17 @@ pub fn load(request: Option<&str>) -> Result<&'static Loaded, String> {
         .as_ref()
         .map_err(Clone::clone)?;
     match request {
-        Some(r) if !r.trim().is_empty() && r.trim() != loaded.name => Err(format!(
+        Some(r) if !r.trim().is_empty() && r.trim() != loaded.variant => Err(format!(
             "the CPU variant '{}' is already loaded in this process; '{}' cannot replace it \
              (set {ENV} before the process starts)",
-            loaded.name,
+            loaded.variant,
             r.trim()
         )),
         _ => Ok(loaded),
     }
 }
 
-fn load_now(wanted: Option<&str>) -> Result<Loaded, String> {
+fn load_now(wanted: Option<&str>) -> Result<CpuBackendInfo, String> {
     super::ggml::init_logging();
     let dir = library_dir()?;
     let candidates = scan(&dir)?;
@@ -122,8 +138,8 @@ fn load_now(wanted: Option<&str>) -> Result<Loaded, String> {
             pick.name
         ));
     }
-    Ok(Loaded {
-        name: pick.name.clone(),
+    Ok(CpuBackendInfo {
+        variant: pick.name.clone(),
         path: pick.path.clone(),
         features,
         forced,
@@ -248,17 +264,21 @@ pub fn choose<'a>(
         })
 }
 
+/// A function a backend exports through its registry (as llama.cpp reaches
+/// the CPU backend's under `GGML_BACKEND_DL`: they are not linked).
+pub(crate) fn proc_address(reg: sys::ggml_backend_reg_t, name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: a proc-address query by a NUL-terminated name on a valid reg.
+    let f = unsafe { sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr()) };
+    (!f.is_null()).then_some(f)
+}
+
 /// The features a loaded CPU backend reports (`ggml_backend_get_features`).
 fn features(reg: sys::ggml_backend_reg_t) -> Vec<String> {
     type GetFeatures =
         unsafe extern "C" fn(sys::ggml_backend_reg_t) -> *mut sys::ggml_backend_feature;
-    // SAFETY: a proc-address query by a NUL-terminated name on a valid reg.
-    let f = unsafe {
-        sys::ggml_backend_reg_get_proc_address(reg, c"ggml_backend_get_features".as_ptr())
-    };
-    if f.is_null() {
+    let Some(f) = proc_address(reg, c"ggml_backend_get_features") else {
         return Vec::new();
-    }
+    };
     // SAFETY: ggml documents this proc's signature as `ggml_backend_get_features_t`.
     let get: GetFeatures = unsafe { std::mem::transmute::<*mut c_void, GetFeatures>(f) };
     let mut out = Vec::new();

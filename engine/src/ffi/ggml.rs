@@ -61,24 +61,14 @@ unsafe extern "C" fn quiet_log(
 
 /// The CPU backend this process computes with (loaded on first use: the
 /// variant `OMNI_CPU_VARIANT` names, or the best for this CPU).
-pub fn cpu() -> Result<&'static cpu_variant::Loaded, String> {
+pub fn cpu() -> Result<&'static cpu_variant::CpuBackendInfo, String> {
     cpu_variant::load(None)
 }
 
-/// A function the CPU backend exports through its registry (as llama.cpp
-/// reaches them under `GGML_BACKEND_DL`: they are not linked).
+/// A function the CPU backend exports through its registry.
 fn cpu_proc(name: &CStr) -> Result<*mut c_void, String> {
-    let reg = cpu()?.reg.0;
-    // SAFETY: a proc-address query by a NUL-terminated name on a valid reg.
-    let f = unsafe { sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr()) };
-    if f.is_null() {
-        Err(format!(
-            "the CPU backend does not export {}",
-            name.to_string_lossy()
-        ))
-    } else {
-        Ok(f)
-    }
+    cpu_variant::proc_address(cpu()?.reg.0, name)
+        .ok_or_else(|| format!("the CPU backend does not export {}", name.to_string_lossy()))
 }
 
 /// Bytes of one row of `n` elements of `ty`.

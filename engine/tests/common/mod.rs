@@ -287,20 +287,20 @@ pub fn fixture_kernels() -> bool {
 /// nothing lower is left.
 pub fn lower_variant(cpu: &omni_engine::CpuBackendInfo) -> Option<String> {
     let score = |name: &str| {
-        cpu.variants
+        cpu.candidates
             .iter()
-            .find(|(n, _)| n == name)
-            .map_or(0, |(_, s)| *s)
+            .find(|c| c.name == name)
+            .map_or(0, |c| c.score)
     };
     let mine = score(&cpu.variant);
     if score("haswell") > 0 && score("haswell") < mine {
         return Some("haswell".into());
     }
-    cpu.variants
+    cpu.candidates
         .iter()
-        .filter(|(n, s)| *s > 0 && *s < mine && n != "x64" && n != "sse42")
-        .max_by_key(|(_, s)| *s)
-        .map(|(n, _)| n.clone())
+        .filter(|c| c.score > 0 && c.score < mine && c.name != "x64" && c.name != "sse42")
+        .max_by_key(|c| c.score)
+        .map(|c| c.name.clone())
 }
 
 /// Runs the named tests of this test binary again in a child process that
