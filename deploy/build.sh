@@ -10,8 +10,10 @@
 #
 # Where the binaries come from:
 #   - cargo on PATH (the default base, rust:1-bookworm, or a CUDA base with
-#     Rust): cargo build --release --locked here; CUDA=1 adds the
-#     omni-engine/cuda feature (ggml's CUDA backend);
+#     Rust): cargo build --release --locked here; CUDA=1 then also builds
+#     ggml's CUDA backend, libggml-cuda.so, with the CUDA runtime libraries
+#     it links, beside them (scripts/build-cuda: the base's CUDA toolkit, or
+#     CUDA 13 from PyPI), which the engine loads at run time;
 #   - no cargo (omni-base:bookworm from deploy/base-image.sh, on machines
 #     without a registry): deploy/.prebuilt/, filled by tests/compose/run
 #     from the host's target/release (same Debian release, same glibc).
@@ -29,11 +31,13 @@ if command -v cargo >/dev/null; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     fi
-    features=()
-    [ "$cuda" = 1 ] && features=(--features omni-engine/cuda)
     echo "build.sh: cargo build --release (CUDA=$cuda)"
-    cargo build --release --locked "${features[@]}" \
+    cargo build --release --locked \
         -p omni-coordinator -p omni-gpu-worker -p omni-cpu-worker -p omni-router -p omnictl --bins
+    if [ "$cuda" = 1 ]; then
+        echo "build.sh: scripts/build-cuda (ggml's CUDA backend)"
+        scripts/build-cuda
+    fi
     from=target/release
 elif [ -x deploy/.prebuilt/omni-coordinator ]; then
     [ "$cuda" = 1 ] && { echo "build.sh: CUDA=1 needs a base with cargo and CUDA's toolkit" >&2; exit 1; }

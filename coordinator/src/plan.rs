@@ -523,10 +523,25 @@ struct Costs<'a> {
     /// Embedding and head on one stage.
     both_bytes: u64,
     kv_per_layer: u64,
+    /// Per worker: a GPU (`cuda...`), whose stage keeps the token embedding
+    /// in host memory (a row lookup per token, as llama.cpp does), so it
+    /// does not count against the GPU's memory; a head tied to the
+    /// embedding has its own copy on the GPU, which does.
+    gpu: Vec<bool>,
+}
+
+/// Whether a worker's device is a GPU (`cuda:N`, or `cuda` in a dry run).
+pub fn is_gpu(device: &str) -> bool {
+    device == "cuda" || device.starts_with("cuda:")
 }
 
 impl<'a> Costs<'a> {
-    fn new(model: &'a ModelFile, cfg: &'a PlanConfig, offload_all: bool) -> Costs<'a> {
+    fn new(
+        model: &'a ModelFile,
+        cfg: &'a PlanConfig,
+        offload_all: bool,
+        workers: &[WorkerSpec],
+    ) -> Costs<'a> {
         let hp = &model.hparams;
         let n = hp.n_layer;
         let range = |embed, layers, head| LayerRange {
@@ -568,6 +583,19 @@ impl<'a> Costs<'a> {
             head_bytes: model.range_weight_bytes(&range(false, n..n, true)),
             both_bytes: model.range_weight_bytes(&range(true, n..n, true)),
             kv_per_layer: cfg.kv().bytes(hp, 1),
+            gpu: workers.iter().map(|w| is_gpu(&w.device)).collect(),
+        }
+    }
+
+    /// The token embedding's bytes a stage holds in host memory rather
+    /// than its device's: all of them on a GPU that embeds, unless its head
+    /// is tied to the embedding (then the GPU has the copy the head reads).
+    fn host_embed(&self, i: usize, embed: bool, head: bool) -> u64 {
+        let tied = self.model.hparams.tied_embeddings;
+        if self.gpu.get(i).copied().unwrap_or(false) && embed && !(head && tied) {
+            self.embed_bytes
+        } else {
+            0
         }
     }
 
@@ -600,6 +628,7 @@ impl<'a> Costs<'a> {
             weights += if embed { self.embed_bytes } else { 0 };
             weights += if head { self.head_bytes } else { 0 };
         }
+        weights -= self.host_embed(i, embed, head);
         let swa = u64::from(self.swa_prefix[bu] - self.swa_prefix[au]);
         let global = u64::from(b - a) - swa;
         let masks = u64::from(swa > 0) + u64::from(global > 0);
@@ -617,13 +646,15 @@ impl<'a> Costs<'a> {
     /// compute estimate stays that of the whole layers: an upper bound still.
     fn stage_bytes(
         &self,
+        i: usize,
         range: &LayerRange,
         worker: &WorkerSpec,
         offloaded: &[u32],
     ) -> StageBytes {
         let hp = &self.model.hparams;
         let weights = self.model.range_weight_bytes(range)
-            - offloaded.iter().map(|&il| self.saved(il)).sum::<u64>();
+            - offloaded.iter().map(|&il| self.saved(il)).sum::<u64>()
+            - self.host_embed(i, range.embed, range.head);
         let kv = self.cfg.kv().bytes(hp, range.layers.len());
         let compute = self.est.for_range(hp, range);
         StageBytes {
@@ -744,7 +775,7 @@ fn build(
 ) -> Result<Plan, PlanError> {
     let hp = &model.hparams;
     let n_layer = hp.n_layer;
-    let costs = Costs::new(model, cfg, mode != Offload::None);
+    let costs = Costs::new(model, cfg, mode != Offload::None, workers);
     let budgets: Vec<u64> = workers
         .iter()
         .map(|wk| budget(wk.free_bytes, cfg.headroom))
@@ -759,8 +790,8 @@ fn build(
             let shares: Vec<f64> = budgets.iter().map(|&b| b as f64).collect();
             let fits = |c: &[u32]| {
                 let ranges = LayerRange::split(n_layer, c).expect("counts add up");
-                ranges.iter().zip(workers).all(|(r, wk)| {
-                    let b = costs.stage_bytes(r, wk, &costs.offloaded_in(r));
+                ranges.iter().zip(workers).enumerate().all(|(i, (r, wk))| {
+                    let b = costs.stage_bytes(i, r, wk, &costs.offloaded_in(r));
                     b.total <= b.budget
                 })
             };
@@ -797,12 +828,13 @@ fn build(
     let mut stages: Vec<StagePlan> = ranges
         .into_iter()
         .zip(workers)
-        .map(|(range, wk)| {
+        .enumerate()
+        .map(|(i, (range, wk))| {
             let offloaded = costs.offloaded_in(&range);
             StagePlan {
                 worker: wk.id.clone(),
                 device: wk.device.clone(),
-                bytes: costs.stage_bytes(&range, wk, &offloaded),
+                bytes: costs.stage_bytes(i, &range, wk, &offloaded),
                 range,
                 offloaded,
             }
@@ -1094,7 +1126,7 @@ pub fn proportions_to_counts(
 /// among those, the sum of squares of `total / budget` (so stages other than
 /// the bottleneck are balanced too). Exact dynamic programming, O(w·n²).
 pub fn min_max_split(model: &ModelFile, workers: &[WorkerSpec], cfg: &PlanConfig) -> Vec<u32> {
-    let costs = Costs::new(model, cfg, false);
+    let costs = Costs::new(model, cfg, false, workers);
     let budgets: Vec<u64> = workers
         .iter()
         .map(|wk| budget(wk.free_bytes, cfg.headroom))
@@ -1175,6 +1207,17 @@ fn notes(
             "output.weight"
         }
     )];
+    if costs.gpu.first().copied().unwrap_or(false) {
+        notes.push(format!(
+            "weights: on a GPU the first stage keeps token_embd.weight ({}) in host memory for the row lookup, so it is not counted against the GPU{}",
+            fmt_bytes(costs.embed_bytes),
+            if hp.tied_embeddings {
+                "; a GPU head has its own copy of it as the output projection"
+            } else {
+                ""
+            }
+        ));
+    }
     let (kd, vd) = (hp.n_embd_k_gqa(), hp.n_embd_v_cache());
     notes.push(format!(
         "KV cache: F16 K and V, 2 bytes x ({kd} + {vd}) per cell x {} ctx x {} seqs = {} per layer",

@@ -456,6 +456,7 @@ fn actual_and_estimate(
         kv: KvConfig { n_ctx, n_seq },
         n_ubatch,
         n_threads: 1,
+        device: Default::default(),
         repack: false,
     };
     let actual = Stage::load(m.clone(), r.clone(), sc)
@@ -550,19 +551,91 @@ fn an_unsupported_architecture_is_refused_at_open() {
     );
 }
 
+/// A stage on a GPU keeps the token embedding in host memory (a row lookup
+/// per token), so the embedding does not count against the GPU's memory;
+/// a head tied to the embedding has its own copy on the GPU, which does.
+/// CPU stages hold the file's bytes as before.
+#[test]
+fn gpu_stages_count_the_embedding_where_it_lives() {
+    for file in [GEMMA, QWEN] {
+        let m = model(file);
+        let hp = &m.hparams;
+        let embd = m.gguf.tensor("token_embd.weight").unwrap().size;
+        let weights = |ws: &[WorkerSpec]| -> Vec<(LayerRange, u64)> {
+            let p = plan(&m, ws, &cfg(None)).unwrap();
+            p.stages
+                .iter()
+                .map(|s| (s.range.clone(), s.bytes.weights))
+                .collect()
+        };
+        let gpus = specs("w", |i| format!("cuda:{i}"), &[4 * GIB, 4 * GIB]);
+        let [(r0, w0), (r1, w1)] = &weights(&gpus)[..] else {
+            panic!("two stages")
+        };
+        assert_eq!(
+            *w0,
+            m.range_weight_bytes(r0) - embd,
+            "{file}: cuda:0 embeds"
+        );
+        // The head: its output matrix (or the tied embedding's copy) is on the GPU.
+        assert_eq!(*w1, m.range_weight_bytes(r1), "{file}: cuda:1 has the head");
+        // A CPU first stage holds the embedding; a GPU last stage the head.
+        let mixed = specs(
+            "w",
+            |i| if i == 0 { "cpu" } else { "cuda:0" }.into(),
+            &[4 * GIB, 4 * GIB],
+        );
+        let [(r0, w0), (r1, w1)] = &weights(&mixed)[..] else {
+            panic!("two stages")
+        };
+        assert_eq!(
+            *w0,
+            m.range_weight_bytes(r0),
+            "{file}: cpu embeds from the map"
+        );
+        assert_eq!(*w1, m.range_weight_bytes(r1));
+        // One GPU stage: the embedding in host memory, and with a tied
+        // head its copy on the GPU; untied, only the output matrix.
+        let one = specs("w", |_| "cuda:0".into(), &[4 * GIB]);
+        let [(r, w)] = &weights(&one)[..] else {
+            panic!("one stage")
+        };
+        let whole = m.range_weight_bytes(r);
+        let expect = if hp.tied_embeddings {
+            whole
+        } else {
+            whole - embd
+        };
+        assert_eq!(*w, expect, "{file}: one GPU stage");
+    }
+}
+
 /// A sparse DeepSeek-V3-shaped file (hidden 7168, 128 heads, MLA with
 /// q_lora 1536 / kv_lora 512 / rope 64, experts 2048 wide with 8 used, a
 /// shared expert; the first layer dense, `n_layer - 1` MoE layers of
 /// `n_expert` experts, the tiny vocabulary): every tensor F32 zeros that
 /// take no disk space.
 fn write_deepseek_v3_shaped(path: &std::path::Path, n_layer: u64, n_expert: u64) {
+    write_deepseek_shaped(path, n_layer, n_expert, 512, false)
+}
+
+/// The same shapes at any size, with `q4_k` every matrix whose rows are
+/// whole Q4_K blocks in Q4_K (the rest F32), as a Q4_K_M file mostly is.
+fn write_deepseek_shaped(
+    path: &std::path::Path,
+    n_layer: u64,
+    n_expert: u64,
+    vocab: u64,
+    q4_k: bool,
+) {
     use omni_engine::gguf::{Gguf, Value};
     let tiny = Gguf::open(fixtures_dir().join("synthetic/tiny-deepseek2-mla-f32.gguf")).unwrap();
     let mut kvs = tiny.metadata().to_vec();
     let (e, h, ql, kl, rope, nope, v, fx, ff, x, vocab) = (
-        7168u64, 128u64, 1536u64, 512u64, 64u64, 128u64, 128u64, 2048u64, 18432u64, n_expert,
-        512u64,
+        7168u64, 128u64, 1536u64, 512u64, 64u64, 128u64, 128u64, 2048u64, 18432u64, n_expert, vocab,
     );
+    // DeepSeek-V3/R1: the first 3 layers dense (the small files: 1).
+    let n_dense = if n_layer > 3 { 3 } else { 1 };
     for (k, val) in [
         ("block_count", n_layer),
         ("embedding_length", e),
@@ -578,6 +651,7 @@ fn write_deepseek_v3_shaped(path: &std::path::Path, n_layer: u64, n_expert: u64)
         ("expert_count", x),
         ("expert_used_count", 8),
         ("expert_feed_forward_length", fx),
+        ("leading_dense_block_count", n_dense),
     ] {
         let key = format!("deepseek2.{k}");
         let kv = kvs.iter_mut().find(|(n, _)| *n == key).unwrap();
@@ -600,7 +674,7 @@ fn write_deepseek_v3_shaped(path: &std::path::Path, n_layer: u64, n_expert: u64)
         t("attn_v_b.weight", &[kl, v, h]);
         t("attn_output.weight", &[h * v, e]);
         t("ffn_norm.weight", &[e]);
-        if il == 0 {
+        if il < n_dense {
             t("ffn_gate.weight", &[e, ff]);
             t("ffn_up.weight", &[e, ff]);
             t("ffn_down.weight", &[ff, e]);
@@ -619,7 +693,53 @@ fn write_deepseek_v3_shaped(path: &std::path::Path, n_layer: u64, n_expert: u64)
         .iter()
         .map(|(n, d)| (n.as_str(), d.as_slice()))
         .collect();
-    common::write_sparse_gguf(path, &kvs, &shapes);
+    common::write_sparse_gguf_typed(path, &kvs, &shapes, |d| {
+        if q4_k && d.len() >= 2 && d[0] % 256 == 0 {
+            (12, 256, 144)
+        } else {
+            (0, 1, 4)
+        }
+    });
+}
+
+/// The plan the user of the seeds wants, as a dry run on a DeepSeek-R1-shaped
+/// file (61 layers, 3 dense, 256 experts of 2048 with 8 used, vocabulary
+/// 129280, matrices Q4_K: ~377 GB, sparse): two GPUs of 96 and 32 GiB run
+/// attention, the dense layers and the shared experts, and an expert worker
+/// with 384 GiB the routed experts that do not fit the GPUs.
+#[test]
+fn an_r1_shaped_model_plans_over_two_gpus_and_a_numa_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("deepseek-r1-shaped.gguf");
+    write_deepseek_shaped(&path, 61, 256, 129280, true);
+    let m = ModelFile::open(&path).unwrap();
+    let size = m.gguf.file_size();
+    assert!(size > 350_000_000_000 && size < 400_000_000_000, "{size}");
+    let mut gpus = specs("w", |i| format!("cuda:{i}"), &[96 * GIB, 32 * GIB]);
+    gpus[1].total_bytes = 32 * GIB;
+    let numa = specs("c", |_| "numa0".into(), &[384 * GIB]);
+    let c = moe_cfg(ExpertPolicy::Auto);
+    let p = plan_with_experts(&m, &gpus, &numa, &c).unwrap();
+    eprintln!("{p}");
+    assert_eq!(p.stages.len(), 2);
+    assert_eq!(p.experts.len(), 1);
+    let off = offloaded(&p);
+    assert!(!off.is_empty(), "the experts cannot all fit 128 GiB: {p}");
+    assert_eq!(p.experts[0].layers, off, "{p}");
+    for s in &p.stages {
+        assert!(s.bytes.total <= s.bytes.budget, "{p}");
+    }
+    assert!(p.experts[0].bytes.total <= p.experts[0].bytes.budget, "{p}");
+    // The first GPU holds the dense layers, and not the token embedding.
+    assert!(p.stages[0].range.layers.contains(&2), "{p}");
+    let embd = m.gguf.tensor("token_embd.weight").unwrap().size;
+    let s0 = &p.stages[0];
+    let saved_here: u64 = s0.offloaded.iter().map(|&il| saved(&m, il, &c)).sum();
+    assert_eq!(
+        s0.bytes.weights,
+        m.range_weight_bytes(&s0.range) - embd - saved_here,
+        "{p}"
+    );
 }
 
 /// The compute estimate also bounds a DeepSeek-V3-shaped stage (hidden

@@ -46,4 +46,8 @@ pub enum EngineError {
     /// this CPU cannot run).
     #[error("CPU backend: {0}")]
     CpuBackend(String),
+    /// A GPU was asked for and cannot be used (no CUDA backend in the build,
+    /// no driver, no such GPU).
+    #[error("GPU: {0}")]
+    Gpu(String),
 }

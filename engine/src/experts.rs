@@ -115,7 +115,7 @@ impl ExpertStage {
                     .map(|name| (format!("blk.{il}.{name}"), WeightOp::MulMatId)),
             );
         }
-        let weights = Weights::load_named(&model, &wanted, cfg.repack, &mut |_, _| {})?;
+        let weights = Weights::load_named(&model, &wanted, cfg.repack, None, &mut |_, _| {})?;
         let backend = CpuBackend::new(cfg.n_threads).map_err(EngineError::CpuBackend)?;
         let alloc = GraphAllocator::new(backend.buffer_type());
         let mut stage = ExpertStage {

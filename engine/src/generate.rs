@@ -43,6 +43,20 @@ impl Engine {
         cfg: StageConfig,
         progress: &mut dyn FnMut(usize, usize, usize),
     ) -> Result<Engine, EngineError> {
+        let devices = [cfg.device];
+        Self::load_on_devices(path, split, cfg, &devices, progress)
+    }
+
+    /// As [`Engine::load_with_progress`], stage `i` on `devices[i]` (the
+    /// last device again for the stages past the list): a GPU and CPU
+    /// pipeline in one process.
+    pub fn load_on_devices(
+        path: impl AsRef<Path>,
+        split: Option<&[u32]>,
+        cfg: StageConfig,
+        devices: &[crate::Device],
+        progress: &mut dyn FnMut(usize, usize, usize),
+    ) -> Result<Engine, EngineError> {
         let model = ModelFile::open(path.as_ref())?;
         let n_layer = model.hparams.n_layer;
         let ranges = match split {
@@ -52,10 +66,14 @@ impl Engine {
         let tokenizer = Tokenizer::load(path.as_ref())?;
         let mut stages = Vec::with_capacity(ranges.len());
         for (i, r) in ranges.into_iter().enumerate() {
+            let device = devices.get(i).or(devices.last()).copied();
             stages.push(Stage::load_with_progress(
                 model.clone(),
                 r,
-                cfg.clone(),
+                StageConfig {
+                    device: device.unwrap_or(cfg.device),
+                    ..cfg.clone()
+                },
                 &mut |d, t| progress(i, d, t),
             )?);
         }

@@ -12,7 +12,7 @@
 use std::ops::Range;
 
 use crate::error::EngineError;
-use crate::ffi::ggml::{f32_to_f16, Buffer, CpuBackend, Tensor, TensorStore, TYPE_F16};
+use crate::ffi::ggml::{f32_to_f16, Buffer, BufferType, Tensor, TensorStore, TYPE_F16};
 use crate::model::Hparams;
 
 /// llama.cpp pads the attended cell count to 256; masked cells cost a
@@ -214,7 +214,7 @@ impl KvCache {
         hp: &Hparams,
         layers: std::ops::Range<u32>,
         cfg: KvConfig,
-        backend: &CpuBackend,
+        buft: BufferType,
     ) -> Result<KvCache, EngineError> {
         if cfg.n_ctx == 0 || cfg.n_seq == 0 {
             return Err(EngineError::Config(format!(
@@ -242,12 +242,10 @@ impl KvCache {
             None
         } else {
             let want = cfg.bytes(hp, layers.len());
-            let buf = Buffer::alloc_ctx(store.ctx(), backend.buffer_type()).ok_or(
-                EngineError::OutOfMemory {
-                    what: "KV cache".into(),
-                    bytes: want,
-                },
-            )?;
+            let buf = Buffer::alloc_ctx(store.ctx(), buft).ok_or(EngineError::OutOfMemory {
+                what: "KV cache".into(),
+                bytes: want,
+            })?;
             buf.clear(0);
             Some(buf)
         };

@@ -10,6 +10,7 @@
 //! - `ffi` (private): the only `unsafe` code, the door to ggml and llama.cpp's vocab.
 
 pub mod chat;
+pub mod device;
 pub mod error;
 pub mod gguf;
 pub mod sampling;
@@ -32,9 +33,12 @@ pub mod stage;
 #[cfg(feature = "ggml")]
 pub mod tokenizer;
 
+pub use device::Device;
 pub use error::EngineError;
 #[cfg(feature = "ggml")]
 pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};
+#[cfg(feature = "ggml")]
+pub use ffi::device::{GpuProps, CUDA_LIBRARY};
 #[cfg(feature = "ggml")]
 pub use generate::{Engine, GenerateOptions, Generation};
 #[cfg(feature = "ggml")]

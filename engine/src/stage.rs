@@ -9,11 +9,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::device::Device;
 use crate::error::EngineError;
 use crate::experts::{ExpertBatch, ExpertExec};
+use crate::ffi::device as ggml_device;
 use crate::ffi::ggml::{
-    self, Buffer, BufferType, CpuBackend, Ctx, GraphAllocator, Tensor, TensorStore, TYPE_F16,
-    TYPE_F32, TYPE_I32, TYPE_I64,
+    self, Buffer, BufferType, Ctx, Executor, Tensor, TensorStore, TYPE_F16, TYPE_F32, TYPE_I32,
+    TYPE_I64,
 };
 use crate::kv::{KvCache, KvConfig, KvLayers};
 use crate::model::layers::{finish_moe, Activation, LayerCx};
@@ -279,6 +281,10 @@ pub struct StageConfig {
     /// Most tokens in one step (llama.cpp's `n_ubatch`).
     pub n_ubatch: usize,
     pub n_threads: usize,
+    /// Where the stage computes: the CPU, or a GPU (weights, KV cache and
+    /// compute buffer in its memory).
+    #[serde(default)]
+    pub device: Device,
     /// Re-lay quantized matmul weights for the CPU's fastest kernels
     /// (llama.cpp's default "extra buffer types"). Costs a copy of those weights.
     pub repack: bool,
@@ -293,6 +299,7 @@ impl Default for StageConfig {
             },
             n_ubatch: 512,
             n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            device: Device::Cpu,
             repack: true,
         }
     }
@@ -311,8 +318,11 @@ pub struct Weights {
     repacked: TensorStore,
     by_name: HashMap<String, Slot>,
     _buffers: Vec<Buffer>,
-    /// Bytes copied into repacked buffers.
+    /// Bytes copied out of the map: into repacked buffers, or on a GPU
+    /// stage into GPU memory.
     pub repacked_bytes: u64,
+    /// The copies are in GPU memory (a stage on a GPU).
+    pub on_device: bool,
     /// Bytes used straight from the memory map.
     pub mapped_bytes: u64,
 }
@@ -343,6 +353,7 @@ impl Weights {
         range: &LayerRange,
         offloaded: &[u32],
         repack: bool,
+        device: Option<BufferType>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Weights, EngineError> {
         let g = &model.gguf;
@@ -362,35 +373,43 @@ impl Weights {
                 }
             }
         }
-        if range.embed || (range.head && hp.tied_embeddings) {
+        // On a GPU the embedding stays in host memory (a row lookup per
+        // token, as llama.cpp keeps its input layer on the CPU), and a head
+        // tied to it gets its own copy in GPU memory, as `output.weight`.
+        let head_copy = device.is_some() && range.head && hp.tied_embeddings;
+        if range.embed || (range.head && hp.tied_embeddings && !head_copy) {
             wanted.push(("token_embd.weight".into(), WeightOp::Other));
         }
         if range.head {
             wanted.push(("output_norm.weight".into(), WeightOp::Other));
-            if !hp.tied_embeddings {
+            if !hp.tied_embeddings || head_copy {
                 wanted.push(("output.weight".into(), WeightOp::MulMat));
             }
         }
-        Self::load_named(model, &wanted, repack, progress)
+        Self::load_named(model, &wanted, repack, device, progress)
     }
 
     /// Maps the named tensors of `model` (each with the op that reads it),
     /// copying into the CPU's repacked layout those that llama.cpp's loader
-    /// would repack.
+    /// would repack, or with a `device` (a GPU's buffer type) uploading all
+    /// but the token embedding there. `output.weight` in a file without
+    /// one is the token embedding (a tied head's copy).
     pub(crate) fn load_named(
         model: &ModelFile,
         wanted: &[(String, WeightOp)],
         repack: bool,
+        device: Option<BufferType>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Weights, EngineError> {
         let g = &model.gguf;
         let hp = &model.hparams;
-        let extra = if repack {
+        let extra = if repack && device.is_none() {
             ggml::cpu_extra_buffer_types().map_err(EngineError::CpuBackend)?
         } else {
             Vec::new()
         };
-        let repack_buft: Option<BufferType> = extra.first().copied();
+        // Where copied weights go: the GPU, or the CPU's repacked layout.
+        let repack_buft: Option<BufferType> = device.or(extra.first().copied());
         let mut mapped = TensorStore::new(wanted.len());
         let mut repacked = TensorStore::new(wanted.len());
         let mut by_name = HashMap::new();
@@ -399,13 +418,17 @@ impl Weights {
         let (mut mapped_bytes, mut repacked_bytes) = (0u64, 0u64);
         let n_used = hp.moe.as_ref().map_or(1, |m| m.n_expert_used as i64);
         for (name, op) in wanted {
-            let info = g.tensor(name).expect("listed from the tensor table");
+            let info = g
+                .tensor(name)
+                .or_else(|| (name == "output.weight").then(|| g.tensor("token_embd.weight"))?)
+                .expect("listed from the tensor table");
             let ne: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
             let ty = info.ggml_type.id();
             let idx = mapped.add(ty, &ne, name);
             // Asked per op the way llama.cpp's loader asks, so the same
             // weights end up repacked (and the same kernels run).
             let use_repack = repack_buft.is_some_and(|b| match op {
+                _ if device.is_some() => name != "token_embd.weight",
                 WeightOp::MulMat => ggml::buft_supports_mul_mat(b, mapped.get(idx)),
                 WeightOp::MulMatId => ggml::buft_supports_mul_mat_id(b, mapped.get(idx), n_used),
                 WeightOp::Other => false,
@@ -436,7 +459,11 @@ impl Weights {
         let total = to_copy.len();
         if let (Some(buft), false) = (repack_buft, to_copy.is_empty()) {
             let buf = Buffer::alloc_ctx(repacked.ctx(), buft).ok_or(EngineError::OutOfMemory {
-                what: "repacked weights".into(),
+                what: if device.is_some() {
+                    format!("weights in GPU memory ({})", buft.name())
+                } else {
+                    "repacked weights".into()
+                },
                 bytes: repacked_bytes,
             })?;
             for (i, (r, info)) in to_copy.iter().enumerate() {
@@ -452,6 +479,7 @@ impl Weights {
             _buffers: buffers,
             repacked_bytes,
             mapped_bytes,
+            on_device: device.is_some(),
         })
     }
 }
@@ -469,8 +497,7 @@ pub struct Stage {
     /// Routed experts of offloaded layers kept here after all.
     device: BTreeMap<u32, DeviceExperts>,
     kv: KvCache,
-    backend: CpuBackend,
-    alloc: GraphAllocator,
+    exec: Executor,
     // Reused scratch for the masks.
     mask: Vec<u16>,
     mask_swa: Vec<u16>,
@@ -541,10 +568,18 @@ impl Stage {
                 cfg.kv.n_ctx, hp.n_ctx_train
             )));
         }
-        let backend = CpuBackend::new(cfg.n_threads).map_err(EngineError::CpuBackend)?;
-        let weights = Weights::load(&model, &range, &offloaded, cfg.repack, progress)?;
-        let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, &backend)?;
-        let alloc = GraphAllocator::new(backend.buffer_type());
+        let gpu = match cfg.device {
+            Device::Cpu => None,
+            Device::Cuda(i) => Some(ggml_device::cuda_device(i).map_err(EngineError::Gpu)?),
+        };
+        let exec = Executor::new(gpu, cfg.n_threads).map_err(if cfg.device.is_gpu() {
+            EngineError::Gpu
+        } else {
+            EngineError::CpuBackend
+        })?;
+        let device = exec.on_gpu().then(|| exec.buffer_type());
+        let weights = Weights::load(&model, &range, &offloaded, cfg.repack, device, progress)?;
+        let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, exec.buffer_type())?;
         let n_expert = hp.moe.as_ref().map_or(0, |m| m.n_expert as usize);
         let expert_counts = offloaded
             .iter()
@@ -559,8 +594,7 @@ impl Stage {
             expert_counts,
             device: BTreeMap::new(),
             kv,
-            backend,
-            alloc,
+            exec,
             mask: Vec::new(),
             mask_swa: Vec::new(),
             last_cells: Vec::new(),
@@ -584,9 +618,21 @@ impl Stage {
     pub fn kv(&self) -> &KvCache {
         &self.kv
     }
-    /// Bytes of the compute buffer (sized for the worst-case step).
+    /// Bytes of the compute buffers (sized for the worst-case step).
     pub fn compute_bytes(&self) -> usize {
-        self.alloc.buffer_size()
+        let (device, host) = self.exec.buffer_sizes();
+        device + host
+    }
+
+    /// The compute buffers apart: (the stage's device's, the host's beside
+    /// a GPU; 0 on the CPU).
+    pub fn compute_bytes_split(&self) -> (usize, usize) {
+        self.exec.buffer_sizes()
+    }
+
+    /// The device this stage computes on.
+    pub fn device(&self) -> Device {
+        self.cfg.device
     }
 
     /// Layers whose routed experts this stage leaves to an [`ExpertExec`].
@@ -650,8 +696,8 @@ impl Stage {
             &self.model,
             layer,
             ids,
-            self.backend.buffer_type(),
-            self.cfg.repack,
+            self.exec.buffer_type(),
+            self.cfg.repack && !self.exec.on_gpu(),
         )?;
         self.device.insert(layer, d);
         // This block's side graph grew.
@@ -820,16 +866,16 @@ impl Stage {
         if self.offloaded.is_empty() {
             let ctx = Ctx::new(ggml::GRAPH_NODES, true);
             let (graph, _) = parts.build(&ctx, n, n_cells, n);
-            return self.alloc.reserve(&graph).map_err(oom);
+            return self.exec.reserve(&graph).map_err(oom);
         }
         for seg in self.segments(n) {
             let ctx = Ctx::new(ggml::GRAPH_NODES, true);
             let (graph, _) = parts.build_segment(&ctx, n, n_cells, n, &seg);
-            self.alloc.reserve(&graph).map_err(oom)?;
+            self.exec.reserve(&graph).map_err(oom)?;
             if let Some(r) = seg.resume.filter(|r| r.side) {
                 let ctx = Ctx::new(ggml::GRAPH_NODES, true);
                 let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
-                self.alloc.reserve(&graph).map_err(oom)?;
+                self.exec.reserve(&graph).map_err(oom)?;
             }
         }
         Ok(())
@@ -1031,13 +1077,11 @@ impl GraphParts<'_> {
                 norm,
                 self.weights.get("output_norm.weight").expect("loaded"),
             );
+            // A tied head reads the embedding (on a GPU, its copy there).
             let out_w = self
                 .weights
-                .get(if hp.tied_embeddings {
-                    "token_embd.weight"
-                } else {
-                    "output.weight"
-                })
+                .get("output.weight")
+                .or_else(|| self.weights.get("token_embd.weight"))
                 .expect("loaded");
             x = ctx.mul_mat(out_w, x);
             if let Some(cap) = hp.final_logit_softcap {
@@ -1251,7 +1295,7 @@ impl Stage {
                 device: &self.device,
             };
             let (graph, out) = parts.build_segment(&ctx, n, n_kv, out_rows.len(), &seg);
-            self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
+            self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
             let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
                 // Inputs no node reads (a range with no global layer has no use for
                 // the global mask) get no memory from the allocator.
@@ -1279,7 +1323,7 @@ impl Stage {
                     set("inp_shared", &|t| t.write(sh));
                 }
             }
-            self.backend.compute(&graph).map_err(EngineError::Ggml)?;
+            self.exec.compute(&graph).map_err(EngineError::Ggml)?;
             let (cur, ids, weights, ffn_inp) = match out {
                 SegmentOut::Range(out) => {
                     let mut data = Vec::new();
@@ -1348,7 +1392,7 @@ impl Stage {
             };
             let side_graph = if has_side {
                 let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
-                self.alloc.alloc(&g).map_err(EngineError::Ggml)?;
+                self.exec.alloc(&g).map_err(EngineError::Ggml)?;
                 let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
                 input("inp_moe_cur").write(&x);
                 if let Some(s) = split.as_ref().filter(|_| dev_width > 0) {
@@ -1407,7 +1451,7 @@ impl Stage {
             // Overlaps with the executor's work; wait even if it fails, so
             // that the executor is left with nothing pending.
             let side = side_graph.map(|(g, out)| {
-                self.backend.compute(&g).map(|()| {
+                self.exec.compute(&g).map(|()| {
                     let mut v = Vec::new();
                     out.read_f32(&mut v);
                     v

@@ -46,9 +46,15 @@ pub struct WorkerConfig {
     /// This worker's name in plans, logs and metrics (default: w-<pid>).
     #[arg(long, env = "OMNI_WORKER_ID")]
     pub id: Option<String>,
-    /// The device: `cpu` (CUDA arrives in a later release).
+    /// The device: `cpu`, or `cuda:N` (GPU N in PCI bus order, as
+    /// nvidia-smi numbers them; needs the NVIDIA driver and the CUDA backend
+    /// library `scripts/build-cuda` puts beside the binaries).
     #[arg(long, env = "OMNI_WORKER_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// Memory of the device not to offer the planner (e.g. 2GiB). Default:
+    /// 1GiB on a GPU (its CUDA context and cuBLAS workspaces), none on the CPU.
+    #[arg(long, env = "OMNI_WORKER_RESERVE", value_parser = parse_size)]
+    pub reserve: Option<u64>,
     /// Compute threads (default: every core this process may use).
     #[arg(long, env = "OMNI_WORKER_THREADS")]
     pub threads: Option<usize>,
@@ -87,6 +93,12 @@ impl WorkerConfig {
         self.id
             .clone()
             .unwrap_or_else(|| format!("w-{}", std::process::id()))
+    }
+
+    /// `--reserve`, or the device's default.
+    pub fn reserve(&self) -> u64 {
+        self.reserve
+            .unwrap_or_else(|| inventory::default_reserve(&self.device))
     }
 }
 
@@ -134,11 +146,29 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     tracing::info!("ggml CPU backend: {cpu}");
     let last_exit =
         omni_telemetry::crash::arm("omni-gpu-worker", &id, &cfg.coordinator, &cpu.variant);
-    let mut inventory = inventory::read(&cfg.device, cfg.memory)?;
+    let mut inventory = inventory::read(&cfg.device, cfg.memory, cfg.reserve())?;
     inventory.cpu_variant = cpu.variant.clone();
     inventory.cpu_features = cpu.features.clone();
     for g in inventory::gpus() {
         tracing::info!("visible GPU: {g}");
+    }
+    if let Some(g) = &inventory.gpu {
+        tracing::info!(
+            "computing on {} {} (compute capability {}, PCI {}, PCIe gen {} x{} of gen {} x{}, \
+             driver {}, CUDA {}, {}); {:.2} GiB kept back (--reserve)",
+            inventory.device,
+            inventory.device_name,
+            g.compute_capability,
+            g.pci_bus_id,
+            g.pcie_gen,
+            g.pcie_width,
+            g.pcie_max_gen,
+            g.pcie_max_width,
+            g.driver_version,
+            g.cuda_driver_version,
+            g.uuid,
+            inventory.reserved as f64 / GIB
+        );
     }
     let (listener, local) = listen(&cfg.listen, &cfg.coordinator).await?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
@@ -409,7 +439,7 @@ impl worker_server::Worker for Svc {
                     .sum()
             })
         };
-        let memory = inventory::cpu_memory(&w.cfg.device, w.cfg.memory);
+        let memory = inventory::memory_now(&w.cfg.device, w.cfg.memory, w.cfg.reserve());
         let st = w.state.lock().unwrap();
         let used = w.stats.held_bytes.load(Ordering::Relaxed)
             + st.prepared.as_ref().map_or(0, Stage::held_bytes);
@@ -736,6 +766,7 @@ impl Worker {
                 .cfg
                 .threads
                 .unwrap_or(self.inventory.cpu_cores as usize),
+            device: self.inventory.device.parse().map_err(Status::internal)?,
             repack: true,
         };
         let n_embd = model.hparams.n_embd as usize;

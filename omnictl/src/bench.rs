@@ -18,6 +18,9 @@ pub struct BenchArgs {
     pub model: String,
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Compute on `cpu` or `cuda:N` (llama-bench then offloads every layer).
+    #[arg(long, default_value = "cpu")]
+    pub device: omni_engine::Device,
     /// Prompt sizes to prefill.
     #[arg(long, value_delimiter = ',', default_value = "128,512")]
     pub pp: Vec<usize>,
@@ -57,6 +60,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             n_ctx: (max_pp.max(a.tg) + 1).next_multiple_of(256),
             n_seq: 1,
         },
+        device: a.device,
         ..StageConfig::default()
     };
     let cpu = omni_engine::cpu_backend(a.cpu_variant.as_deref())?;
@@ -203,6 +207,18 @@ fn llama_bench(
             "-o",
             "json",
         ])
+        .args(match a.device {
+            // llama.cpp's CUDA build offloads nothing unless told.
+            omni_engine::Device::Cuda(i) => vec![
+                "-ngl".to_string(),
+                "999".to_string(),
+                "-mg".to_string(),
+                i.to_string(),
+                "-sm".to_string(),
+                "none".to_string(),
+            ],
+            omni_engine::Device::Cpu => vec!["-ngl".to_string(), "0".to_string()],
+        })
         .output()
         .with_context(|| format!("running {}", bin.display()))?;
     anyhow::ensure!(

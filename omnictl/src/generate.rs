@@ -59,6 +59,9 @@ pub struct GenerateArgs {
     pub system: Option<String>,
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Compute on `cpu` or `cuda:N` (every stage of the local run).
+    #[arg(long, default_value = "cpu", conflicts_with = "coordinator")]
+    pub device: omni_engine::Device,
     /// Context length (prompt + generated tokens).
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
@@ -83,6 +86,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     if let Some(t) = a.threads {
         cfg.n_threads = t;
     }
+    cfg.device = a.device;
     let model = omni_engine::ModelFile::open(&path)?;
     cfg.kv.n_ctx = cfg.kv.n_ctx.min(model.hparams.n_ctx_train as usize);
     eprintln!(

@@ -34,6 +34,10 @@ pub struct UpArgs {
     /// Sequences resident at once.
     #[arg(long, default_value_t = 8)]
     pub seqs: usize,
+    /// Each worker's device, in order: cpu or cuda:N (e.g. cuda:0,cuda:1,cpu;
+    /// the last one repeats for the workers past the list).
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    pub device: Vec<omni_engine::Device>,
     /// Compute threads per worker (default: the cores divided among workers).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
@@ -124,6 +128,7 @@ impl UpArgs {
             ctx: 1024,
             seqs: 1,
             threads: Some(threads),
+            device: vec![omni_engine::Device::Cpu],
             memory: None,
             split: None,
             layers: None,
@@ -244,6 +249,9 @@ impl LocalCluster {
                 .args(["--register-timeout", &a.register_timeout.to_string()]);
             if let Some(m) = &a.memory {
                 w.args(["--memory", m]);
+            }
+            if let Some(d) = a.device.get(i).or(a.device.last()) {
+                w.args(["--device", &d.to_string()]);
             }
             traced(&mut w);
             variant(&mut w);

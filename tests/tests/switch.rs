@@ -47,6 +47,7 @@ impl Harness {
             },
             n_ubatch: 64,
             n_threads: 2,
+            device: Default::default(),
             repack: true,
         };
         let stage = Stage::load(model.clone(), whole(), cfg.clone()).unwrap();

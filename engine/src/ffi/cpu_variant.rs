@@ -151,7 +151,7 @@ fn load_now(wanted: Option<&str>) -> Result<CpuBackendInfo, String> {
 /// Where the libraries are: beside the executable (the binaries in
 /// `target/<profile>/` and in the image), its parent (test binaries in
 /// `target/<profile>/deps/` and examples), or where the build put them.
-fn library_dir() -> Result<PathBuf, String> {
+pub(crate) fn library_dir() -> Result<PathBuf, String> {
     let exe = std::env::current_exe().ok();
     let mut dirs: Vec<PathBuf> = Vec::new();
     if let Some(dir) = exe.as_deref().and_then(Path::parent) {

@@ -607,10 +607,6 @@ impl Graph<'_> {
         // SAFETY: valid graph and tensor from compatible contexts.
         unsafe { sys::ggml_build_forward_expand(self.raw.as_ptr(), t.raw.as_ptr()) }
     }
-    pub fn n_nodes(&self) -> i32 {
-        // SAFETY: valid graph.
-        unsafe { sys::ggml_graph_n_nodes(self.raw.as_ptr()) }
-    }
 }
 
 /// A backend buffer (weights, KV cache or compute memory).
@@ -830,6 +826,164 @@ impl Drop for CpuBackend {
     fn drop(&mut self) {
         // SAFETY: we own the backend.
         unsafe { sys::ggml_backend_free(self.raw.as_ptr()) }
+    }
+}
+
+/// Runs a stage's graphs: ggml's backend scheduler over the stage's device,
+/// the CPU, or a GPU with the CPU beside it (ggml's rule: the CPU comes
+/// last) for the ops the GPU lacks and for the step's inputs, as llama.cpp
+/// runs its graphs. Weights decide where an op runs (an op on weights in
+/// GPU memory runs on the GPU); the scheduler copies what crosses over.
+pub struct Executor {
+    sched: NonNull<sys::ggml_backend_sched>,
+    gpu: Option<NonNull<sys::ggml_backend>>,
+    cpu: CpuBackend,
+    buft: BufferType,
+}
+
+// SAFETY: used by one thread at a time (`&mut self` to allocate or compute).
+unsafe impl Send for Executor {}
+
+impl Executor {
+    /// An executor on `gpu`, or on the CPU alone; the CPU backend runs
+    /// `n_threads` threads either way.
+    pub fn new(
+        gpu: Option<super::device::GpuDevice>,
+        n_threads: usize,
+    ) -> Result<Executor, String> {
+        let cpu = CpuBackend::new(n_threads)?;
+        let mut backends = Vec::new();
+        let mut bufts = Vec::new();
+        let mut gpu_backend = None;
+        if let Some(dev) = gpu {
+            // SAFETY: a device of a loaded backend; no parameters.
+            let raw = unsafe { sys::ggml_backend_dev_init(dev.0, ptr::null()) };
+            let raw = NonNull::new(raw).ok_or_else(|| {
+                format!(
+                    "the GPU {} could not start a backend",
+                    dev.props().description
+                )
+            })?;
+            backends.push(raw.as_ptr());
+            // SAFETY: valid device.
+            bufts.push(unsafe { sys::ggml_backend_dev_buffer_type(dev.0) });
+            gpu_backend = Some(raw);
+        }
+        backends.push(cpu.raw.as_ptr());
+        let buft = BufferType(match gpu {
+            Some(dev) => {
+                // Inputs and results cross in the GPU's pinned host memory.
+                // SAFETY: valid device; may be null when it has none.
+                let host = unsafe { sys::ggml_backend_dev_host_buffer_type(dev.0) };
+                bufts.push(if host.is_null() {
+                    cpu.buffer_type().0
+                } else {
+                    host
+                });
+                bufts[0]
+            }
+            None => {
+                bufts.push(cpu.buffer_type().0);
+                cpu.buffer_type().0
+            }
+        });
+        // SAFETY: `backends` and `bufts` have one entry per backend, CPU last.
+        let raw = unsafe {
+            sys::ggml_backend_sched_new(
+                backends.as_mut_ptr(),
+                bufts.as_mut_ptr(),
+                backends.len() as i32,
+                GRAPH_NODES,
+                false,
+                gpu.is_some(),
+            )
+        };
+        let Some(sched) = NonNull::new(raw) else {
+            if let Some(g) = gpu_backend {
+                // SAFETY: we own it and nothing else refers to it.
+                unsafe { sys::ggml_backend_free(g.as_ptr()) };
+            }
+            return Err("ggml could not create a backend scheduler".into());
+        };
+        Ok(Executor {
+            sched,
+            gpu: gpu_backend,
+            cpu,
+            buft: BufferType(buft.0),
+        })
+    }
+
+    /// Where the stage's own tensors (KV cache, device weights) go.
+    pub fn buffer_type(&self) -> BufferType {
+        self.buft
+    }
+
+    pub fn on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    /// Sizes the compute buffers for `graph` (they only grow).
+    pub fn reserve(&mut self, graph: &Graph<'_>) -> Result<(), String> {
+        // SAFETY: valid scheduler and graph.
+        if unsafe { sys::ggml_backend_sched_reserve(self.sched.as_ptr(), graph.raw.as_ptr()) } {
+            Ok(())
+        } else {
+            Err("could not allocate the compute buffer".into())
+        }
+    }
+
+    /// Gives `graph`'s tensors memory (the previous graph's is reused), so
+    /// that its inputs can be written before [`Executor::compute`].
+    pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<(), String> {
+        // SAFETY: valid scheduler and graph.
+        let ok = unsafe {
+            sys::ggml_backend_sched_reset(self.sched.as_ptr());
+            sys::ggml_backend_sched_alloc_graph(self.sched.as_ptr(), graph.raw.as_ptr())
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err("could not allocate the compute graph".into())
+        }
+    }
+
+    /// Runs the allocated `graph` to the end (results readable on return).
+    pub fn compute(&mut self, graph: &Graph<'_>) -> Result<(), String> {
+        // SAFETY: allocated by `alloc`; the call synchronises every backend.
+        let st = unsafe {
+            sys::ggml_backend_sched_graph_compute(self.sched.as_ptr(), graph.raw.as_ptr())
+        };
+        if st == sys::GGML_STATUS_SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("ggml graph compute failed with status {st}"))
+        }
+    }
+
+    /// Bytes of the compute buffers: (the device's, the CPU's). On the CPU
+    /// alone the second is 0.
+    pub fn buffer_sizes(&self) -> (usize, usize) {
+        let size = |b: *mut sys::ggml_backend| {
+            // SAFETY: a backend of this scheduler.
+            unsafe { sys::ggml_backend_sched_get_buffer_size(self.sched.as_ptr(), b) }
+        };
+        match self.gpu {
+            Some(g) => (size(g.as_ptr()), size(self.cpu.raw.as_ptr())),
+            None => (size(self.cpu.raw.as_ptr()), 0),
+        }
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        // SAFETY: we own the scheduler and the GPU backend; the scheduler goes
+        // first (it refers to the backends); `cpu` drops after this.
+        unsafe {
+            sys::ggml_backend_sched_free(self.sched.as_ptr());
+            if let Some(g) = self.gpu {
+                sys::ggml_backend_free(g.as_ptr());
+            }
+        }
     }
 }
 

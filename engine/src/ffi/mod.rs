@@ -5,6 +5,7 @@
 //! reference.
 
 pub mod cpu_variant;
+pub mod device;
 pub mod ggml;
 pub mod llama_ref;
 pub mod vocab;

@@ -143,6 +143,16 @@ pub type F32Tensor = (String, Vec<u64>, Vec<f32>);
 /// dims (alignment 32), padded to where the data starts; and the data
 /// section's length.
 fn gguf_header(kvs: &[(String, Value)], tensors: &[(&str, &[u64])]) -> (Vec<u8>, usize) {
+    gguf_header_typed(kvs, tensors, |_| (0, 1, 4))
+}
+
+/// As [`gguf_header`], each tensor stored as `ty(dims)` = (GGML type id,
+/// elements per block, bytes per block).
+fn gguf_header_typed(
+    kvs: &[(String, Value)],
+    tensors: &[(&str, &[u64])],
+    ty: impl Fn(&[u64]) -> (u32, u64, u64),
+) -> (Vec<u8>, usize) {
     let align = |n: usize| n.div_ceil(32) * 32;
     let mut out = b"GGUF".to_vec();
     out.extend(3u32.to_le_bytes());
@@ -158,10 +168,11 @@ fn gguf_header(kvs: &[(String, Value)], tensors: &[(&str, &[u64])]) -> (Vec<u8>,
         put_str(&mut out, name.as_bytes());
         out.extend((dims.len() as u32).to_le_bytes());
         dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
-        out.extend(0u32.to_le_bytes()); // F32
+        let (id, block, block_bytes) = ty(dims);
+        out.extend(id.to_le_bytes());
         out.extend((offset as u64).to_le_bytes());
         let n: u64 = dims.iter().product();
-        offset = align(offset + n as usize * 4);
+        offset = align(offset + (n / block * block_bytes) as usize);
     }
     out.resize(align(out.len()), 0);
     (out, offset)
@@ -193,7 +204,19 @@ pub fn write_sparse_gguf(
     kvs: &[(String, Value)],
     tensors: &[(&str, &[u64])],
 ) {
-    let (out, data_len) = gguf_header(kvs, tensors);
+    write_sparse_gguf_typed(path, kvs, tensors, |_| (0, 1, 4))
+}
+
+/// As [`write_sparse_gguf`], each tensor of the type `ty(dims)` gives:
+/// (GGML type id, elements per block, bytes per block), e.g. Q4_K's
+/// `(12, 256, 144)`.
+pub fn write_sparse_gguf_typed(
+    path: &std::path::Path,
+    kvs: &[(String, Value)],
+    tensors: &[(&str, &[u64])],
+    ty: impl Fn(&[u64]) -> (u32, u64, u64),
+) {
+    let (out, data_len) = gguf_header_typed(kvs, tensors, ty);
     let f = std::fs::File::create(path).unwrap();
     use std::io::Write;
     (&f).write_all(&out).unwrap();

@@ -1,0 +1,84 @@
+//! Where a stage computes: `cpu`, or `cuda:N` (a GPU through ggml's CUDA
+//! backend, loaded at run time when `libggml-cuda.so` is beside the binaries).
+
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(into = "String", try_from = "String")]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// CUDA's device N, numbered in PCI bus order as NVML numbers them.
+    Cuda(u32),
+}
+
+impl Device {
+    pub fn is_gpu(&self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl From<Device> for String {
+    fn from(d: Device) -> String {
+        d.to_string()
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+    fn try_from(s: String) -> Result<Device, String> {
+        s.parse()
+    }
+}
+
+impl FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Device, String> {
+        let bad = || format!("bad device '{s}': expected cpu or cuda:N (N a GPU's number, from 0)");
+        match s.trim() {
+            "cpu" => Ok(Device::Cpu),
+            t => t
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(bad),
+        }
+    }
+}
+
+/// What ggml's CUDA backend reports of GPU `index`, loading the backend if
+/// needed: an error names what is missing (the library, the driver, the GPU).
+#[cfg(feature = "ggml")]
+pub fn gpu_props(index: u32) -> Result<crate::ffi::device::GpuProps, crate::EngineError> {
+    crate::ffi::device::cuda_device(index)
+        .map(|d| d.props())
+        .map_err(crate::EngineError::Gpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Device;
+
+    #[test]
+    fn devices_parse_and_print_the_same() {
+        for s in ["cpu", "cuda:0", "cuda:7"] {
+            assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
+        }
+        for s in ["gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CPU0"] {
+            let e = s.parse::<Device>().unwrap_err();
+            assert!(e.contains(s) && e.contains("cpu or cuda:N"), "{e}");
+        }
+    }
+}
