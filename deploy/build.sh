@@ -26,6 +26,10 @@ if command -v cargo >/dev/null; then
     need=()
     command -v cmake >/dev/null || need+=(cmake)
     command -v clang >/dev/null || need+=(clang libclang-dev)
+    # CUDA from PyPI wheels when the base has no nvcc (scripts/build-cuda).
+    if [ "$cuda" = 1 ] && ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+        python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+    fi
     if [ ${#need[@]} -gt 0 ]; then
         echo "build.sh: installing ${need[*]} (apt)"
         apt-get update -qq
@@ -40,7 +44,7 @@ if command -v cargo >/dev/null; then
     fi
     from=target/release
 elif [ -x deploy/.prebuilt/omni-coordinator ]; then
-    [ "$cuda" = 1 ] && { echo "build.sh: CUDA=1 needs a base with cargo and CUDA's toolkit" >&2; exit 1; }
+    [ "$cuda" = 1 ] && { echo "build.sh: CUDA=1 needs a base with cargo (the default rust:1-bookworm; CUDA itself comes from PyPI when the base has none)" >&2; exit 1; }
     echo "build.sh: no cargo in this base: taking the binaries from deploy/.prebuilt"
     from=deploy/.prebuilt
 else

@@ -246,6 +246,22 @@ impl admin_server::Admin for AdminSvc {
                 device_name: inv.device_name.clone(),
                 cpu_variant: inv.cpu_variant.clone(),
                 cpu_features: inv.cpu_features.clone(),
+                gpu: inv
+                    .gpu
+                    .as_ref()
+                    .map(|g| {
+                        format!(
+                            "{}, compute {}, PCIe gen {} x{}, driver {}, CUDA {}, {}",
+                            inv.device_name,
+                            g.compute_capability,
+                            g.pcie_gen,
+                            g.pcie_width,
+                            g.driver_version,
+                            g.cuda_driver_version,
+                            g.uuid
+                        )
+                    })
+                    .unwrap_or_default(),
                 memory_total: inv.memory_total,
                 memory_free: inv.memory_free,
                 memory_planned: p.planned_bytes,

@@ -228,7 +228,7 @@ fn worker_json(w: &WorkerInfo) -> serde_json::Value {
     serde_json::json!({
         "id": w.id, "kind": w.kind, "addr": w.addr, "device": w.device,
         "device_name": w.device_name, "cpu_variant": w.cpu_variant,
-        "cpu_features": w.cpu_features, "memory_total": w.memory_total,
+        "cpu_features": w.cpu_features, "gpu": w.gpu, "memory_total": w.memory_total,
         "memory_free": w.memory_free, "memory_planned": w.memory_planned,
         "stage": (w.kind == "stage").then_some(w.stage), "layers": w.layers,
         "offloaded": w.offloaded, "kv_cells_used": w.kv_cells_used,
@@ -303,6 +303,9 @@ pub fn workers_table(ws: &[WorkerInfo]) -> String {
             w.health
         ));
     }
+    for w in ws.iter().filter(|w| !w.gpu.is_empty()) {
+        out.push_str(&format!("{} {}: {}\n", w.id, w.device, w.gpu));
+    }
     out
 }
 
@@ -341,4 +344,36 @@ pub fn plan(
         print!("{}", reply.text);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GPU worker's GPU is listed under the table, one line each; CPU
+    /// workers add nothing.
+    #[test]
+    fn the_workers_table_names_each_gpu() {
+        let gpu = WorkerInfo {
+            id: "g0".into(),
+            kind: "stage".into(),
+            device: "cuda:0".into(),
+            gpu: "NVIDIA H100 80GB HBM3, compute 9.0, PCIe gen 5 x16, driver 580.82.07, CUDA 13.0, GPU-1234".into(),
+            ..Default::default()
+        };
+        let cpu = WorkerInfo {
+            id: "w1".into(),
+            kind: "stage".into(),
+            device: "cpu".into(),
+            stage: 1,
+            ..Default::default()
+        };
+        let t = workers_table(&[gpu.clone(), cpu]);
+        assert!(
+            t.lines().any(|l| l == format!("g0 cuda:0: {}", gpu.gpu)),
+            "{t}"
+        );
+        assert_eq!(t.lines().count(), 4, "header, two workers, one GPU: {t}");
+        assert_eq!(worker_json(&gpu)["gpu"], gpu.gpu.as_str());
+    }
 }

@@ -909,7 +909,7 @@ impl Executor {
             sched,
             gpu: gpu_backend,
             cpu,
-            buft: BufferType(buft.0),
+            buft,
         })
     }
 
