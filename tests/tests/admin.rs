@@ -28,6 +28,11 @@ fn model() -> std::path::PathBuf {
 
 fn cluster(token: Option<&str>) -> Cluster {
     let mut spec = ClusterSpec::new(2, "shm");
+    // Equal offers, so the split is 2,2 whatever else the machine runs (each
+    // worker otherwise offers the host's free memory at its start, and
+    // llama.cpp's proportional rule gives w0 3 of 4 layers when it saw a
+    // byte more than w1).
+    spec.worker_args = vec![vec!["--memory".into(), "4GiB".into()]; 2];
     spec.cpu_workers = 1;
     spec.coordinator_args = vec!["--experts".into(), "cpu".into()];
     if let Some(t) = token {
