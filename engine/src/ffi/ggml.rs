@@ -781,6 +781,15 @@ pub fn buft_supports_mul_mat_id(buft: BufferType, weight: Tensor<'_>, n_used: i6
     ok
 }
 
+/// A graph computation's status as a result.
+fn computed(st: sys::ggml_status) -> Result<(), String> {
+    if st == sys::GGML_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("ggml graph compute failed with status {st}"))
+    }
+}
+
 /// The CPU compute backend with a fixed thread count.
 pub struct CpuBackend {
     raw: NonNull<sys::ggml_backend>,
@@ -813,12 +822,7 @@ impl CpuBackend {
 
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<(), String> {
         // SAFETY: the graph's tensors are all allocated (gallocr or weights).
-        let st = unsafe { sys::ggml_backend_graph_compute(self.raw.as_ptr(), graph.raw.as_ptr()) };
-        if st == sys::GGML_STATUS_SUCCESS {
-            Ok(())
-        } else {
-            Err(format!("ggml graph compute failed with status {st}"))
-        }
+        computed(unsafe { sys::ggml_backend_graph_compute(self.raw.as_ptr(), graph.raw.as_ptr()) })
     }
 }
 
@@ -870,23 +874,18 @@ impl Executor {
             gpu_backend = Some(raw);
         }
         backends.push(cpu.raw.as_ptr());
-        let buft = BufferType(match gpu {
-            Some(dev) => {
-                // Inputs and results cross in the GPU's pinned host memory.
-                // SAFETY: valid device; may be null when it has none.
-                let host = unsafe { sys::ggml_backend_dev_host_buffer_type(dev.0) };
-                bufts.push(if host.is_null() {
-                    cpu.buffer_type().0
-                } else {
-                    host
-                });
-                bufts[0]
-            }
-            None => {
-                bufts.push(cpu.buffer_type().0);
-                cpu.buffer_type().0
-            }
+        // Beside a GPU, inputs and results cross in its pinned host memory.
+        // SAFETY: valid device; null when it has none.
+        let host = gpu.map_or(ptr::null_mut(), |dev| unsafe {
+            sys::ggml_backend_dev_host_buffer_type(dev.0)
         });
+        bufts.push(if host.is_null() {
+            cpu.buffer_type().0
+        } else {
+            host
+        });
+        // The stage's device: the GPU's memory, else the CPU's.
+        let buft = BufferType(bufts[0]);
         // SAFETY: `backends` and `bufts` have one entry per backend, CPU last.
         let raw = unsafe {
             sys::ggml_backend_sched_new(
@@ -950,14 +949,9 @@ impl Executor {
     /// Runs the allocated `graph` to the end (results readable on return).
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<(), String> {
         // SAFETY: allocated by `alloc`; the call synchronises every backend.
-        let st = unsafe {
+        computed(unsafe {
             sys::ggml_backend_sched_graph_compute(self.sched.as_ptr(), graph.raw.as_ptr())
-        };
-        if st == sys::GGML_STATUS_SUCCESS {
-            Ok(())
-        } else {
-            Err(format!("ggml graph compute failed with status {st}"))
-        }
+        })
     }
 
     /// Bytes of the compute buffers: (the device's, the CPU's). On the CPU
