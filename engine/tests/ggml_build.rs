@@ -65,18 +65,32 @@ fn quantized_matmuls_match_a_plain_reference() {
 }
 
 /// The automatic choice is the best variant this CPU runs, never one with
-/// AMX (llama.cpp #20824); every variant it runs computes correctly.
+/// AMX (llama.cpp #20824); every variant it runs computes correctly, and
+/// forcing an AMX one is refused with a message, never a crash.
 #[test]
 fn every_cpu_variant_this_machine_runs_matches_the_reference() {
     let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
-    let runnable: Vec<_> = cpu.candidates.iter().filter(|c| c.score > 0).collect();
+    for amx in cpu
+        .candidates
+        .iter()
+        .filter(|c| c.score > 0 && c.uses_amx())
+    {
+        let (ok, text) =
+            common::run_with_variant(&amx.name, &["quantized_matmuls_match_a_plain_reference"]);
+        assert!(
+            !ok && text.contains("computes with AMX") && text.contains("choose one of"),
+            "variant {}:\n{text}",
+            amx.name
+        );
+    }
+    let runnable: Vec<_> = cpu
+        .candidates
+        .iter()
+        .filter(|c| c.score > 0 && !c.uses_amx())
+        .collect();
     assert!(!runnable.is_empty(), "{cpu:?}");
     if !cpu.forced {
-        let best = runnable
-            .iter()
-            .filter(|c| c.name != "sapphirerapids" && c.score & (1 << 11) == 0)
-            .max_by_key(|c| c.score)
-            .unwrap();
+        let best = runnable.iter().max_by_key(|c| c.score).unwrap();
         assert_eq!(
             cpu.variant, best.name,
             "the best variant without AMX: {cpu:?}"

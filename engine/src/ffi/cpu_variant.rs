@@ -7,10 +7,11 @@
 //! variant: the one a user forced (`OMNI_CPU_VARIANT` or a service's
 //! `--cpu-variant`), else the best this CPU runs, as ggml's own
 //! `ggml_backend_load_best` would choose it (its `ggml_backend_score`), except
-//! that a variant using AMX is never chosen automatically: ggml's AMX matmul
-//! segfaults on Sapphire Rapids (llama.cpp #20824, closed stale without a
-//! fix), so such a CPU gets the best variant without AMX (zen4's feature
-//! set: AVX-512 with VBMI, VNNI and BF16).
+//! that a variant using AMX is never loaded: ggml's AMX matmul segfaults on
+//! Sapphire Rapids (llama.cpp #20824, closed stale without a fix) and dies of
+//! SIGILL (`tilezero`) on an AMX-capable VM whose kernel grants AMX, so such
+//! a CPU gets the best variant without AMX (zen4's feature set: AVX-512 with
+//! VBMI, VNNI and BF16), and forcing one is refused with what to choose.
 //!
 //! We choose here rather than call `ggml_backend_load_best` to keep that rule,
 //! to honour a forced variant with an error that names what this CPU runs, and
@@ -43,7 +44,9 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    fn uses_amx(&self) -> bool {
+    /// Whether the variant computes with AMX (never loaded, see the module
+    /// comment).
+    pub fn uses_amx(&self) -> bool {
         self.score & AMX_SCORE_BIT != 0 || AMX_VARIANTS.contains(&self.name.as_str())
     }
 }
@@ -131,9 +134,9 @@ fn load_now(wanted: Option<&str>) -> Result<CpuBackendInfo, String> {
     }
     let features = features(reg);
     let forced = wanted.is_some();
-    if !forced && features.iter().any(|f| f.starts_with("AMX")) {
+    if features.iter().any(|f| f.starts_with("AMX")) {
         return Err(format!(
-            "the CPU variant '{}' uses AMX, which omni never chooses by itself (llama.cpp #20824); \
+            "the CPU variant '{}' uses AMX, which omni never uses (llama.cpp #20824); \
              set {ENV} to a variant without it",
             pick.name
         ));
@@ -247,7 +250,15 @@ pub fn choose<'a>(
             return Err(format!(
                 "CPU variant '{w}' ({ENV} or --cpu-variant) uses instructions this CPU lacks; \
                  it runs: {}",
-                names(|c| c.score > 0)
+                names(|c| c.score > 0 && !c.uses_amx())
+            ));
+        }
+        if c.uses_amx() {
+            return Err(format!(
+                "CPU variant '{w}' ({ENV} or --cpu-variant) computes with AMX, whose matmul \
+                 kernels in this ggml crash (llama.cpp #20824: a segfault on Sapphire Rapids, an \
+                 illegal instruction on an AMX virtual machine); choose one of: {}",
+                names(|c| c.score > 0 && !c.uses_amx())
             ));
         }
         return Ok(c);
@@ -350,10 +361,11 @@ mod tests {
     fn a_forced_variant_must_exist_and_run_here() {
         let cands = sapphire_rapids();
         assert_eq!(choose(&cands, Some("haswell")).unwrap().name, "haswell");
-        // Forcing AMX is the user's explicit choice.
-        assert_eq!(
-            choose(&cands, Some("sapphirerapids")).unwrap().name,
-            "sapphirerapids"
+        // AMX crashes in this ggml: refused, with what to choose instead.
+        let e = choose(&cands, Some("sapphirerapids")).unwrap_err();
+        assert!(
+            e.contains("computes with AMX") && e.contains("choose one of: zen4, cooperlake"),
+            "{e}"
         );
         let e = choose(&cands, Some("alderlake")).unwrap_err();
         assert!(
