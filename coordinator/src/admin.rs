@@ -287,6 +287,10 @@ impl admin_server::Admin for AdminSvc {
                         info.last_step_ms = s.last_step_ms;
                         info.tokens = s.tokens;
                         info.memory_used = s.memory_used;
+                        info.uptime_seconds = s.uptime_seconds;
+                        info.compute_seconds = s.compute_seconds;
+                        info.send_seconds = s.send_seconds;
+                        info.input_wait_seconds = s.input_wait_seconds;
                         if s.memory_total > 0 {
                             info.memory_total = s.memory_total;
                             info.memory_free = s.memory_free;

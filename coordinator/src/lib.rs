@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod metrics;
 pub mod migrate;
+pub mod pipeline;
 pub mod plan;
 pub mod recover;
 pub mod scheduler;
@@ -88,7 +89,9 @@ pub struct CoordinatorConfig {
     /// Sequences resident at once (KV cache slots).
     #[arg(long, env = "OMNI_SEQS", default_value_t = 8)]
     pub seqs: usize,
-    /// Micro-batch groups in flight (default: one per stage). Sequences
+    /// Micro-batch groups in flight (default: one per compute site, i.e.
+    /// per stage, except that stages on the same cores or GPU take turns
+    /// and count once; see `pipeline.rs`). Sequences
     /// are dealt into them, and each group has one step in the pipeline at
     /// a time; with as many groups as sequences, every sequence runs in
     /// steps of its own (its results then never depend on what else runs).
@@ -553,6 +556,28 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     tracing::info!("steps go to stage 0 over {}", outbox.kind());
 
     // 4. Serve.
+    let sites: Vec<pipeline::Site> = workers
+        .iter()
+        .map(|w| pipeline::Site {
+            worker: w.id.clone(),
+            host_id: w.inventory.host_id.clone(),
+            device: w.inventory.device.clone(),
+            cpus: w.inventory.cpus.clone(),
+        })
+        .collect();
+    let (n_groups, pipeline_note) = match cfg.micro_batches {
+        Some(n) => (
+            n.max(1),
+            format!("{} micro-batch groups (--micro-batches)", n.max(1)),
+        ),
+        None => {
+            let (n, why) = pipeline::default_groups(&sites);
+            if let Some(why) = &why {
+                tracing::info!("{why}");
+            }
+            (n, why.unwrap_or_default())
+        }
+    };
     let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
     let (recover_tx, recover_rx) = mpsc::unbounded_channel();
@@ -561,7 +586,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_ctx: cfg.ctx,
             n_seq: cfg.seqs,
             n_ubatch: cfg.ubatch,
-            n_groups: cfg.micro_batches.unwrap_or(workers.len()).max(1),
+            n_groups,
             step_timeout: Duration::from_secs_f64(cfg.step_timeout),
             max_queue: cfg.max_queue,
         },
@@ -631,6 +656,8 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         info.stages = stages;
         info.expert_workers = expert_info;
         info.plan = plan.to_string();
+        info.micro_batch_groups = n_groups as u32;
+        info.pipeline_note = pipeline_note;
         info.ready = true;
         info.state = "serving".into();
     }

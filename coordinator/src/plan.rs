@@ -1186,6 +1186,52 @@ fn auto_split(costs: &Costs<'_>, budgets: &[u64], n_layer: u32) -> Vec<u32> {
     balanced
 }
 
+/// Weight bytes one token of a decode step reads on each stage: its layers'
+/// tensors (of a MoE layer's routed experts only the `n_expert_used` of
+/// `n_expert` a token selects, and none of an offloaded layer's, which an
+/// expert worker reads) and, on the last stage, the output head; the
+/// embedding is a row lookup. Decoding is bound by reading weights, so
+/// this is each stage's share of a step's time on equal devices.
+fn stage_work_bytes(model: &ModelFile, costs_head: u64, stages: &[StagePlan]) -> Vec<u64> {
+    let layer_bytes = model.gguf.layer_bytes();
+    let moe = model.hparams.moe.as_ref();
+    stages
+        .iter()
+        .map(|s| {
+            let layers: u64 = (s.range.layers.clone())
+                .map(|il| {
+                    let all = layer_bytes.get(il as usize).copied().unwrap_or(0);
+                    let experts = model.expert_weight_bytes(il);
+                    let selected = match moe {
+                        Some(m) if !s.offloaded.contains(&il) && m.n_expert > 0 => {
+                            experts * u64::from(m.n_expert_used) / u64::from(m.n_expert)
+                        }
+                        _ => 0,
+                    };
+                    all - experts + selected
+                })
+                .sum();
+            layers + if s.range.head { costs_head } else { 0 }
+        })
+        .collect()
+}
+
+fn work_note(model: &ModelFile, costs: &Costs<'_>, stages: &[StagePlan]) -> String {
+    let work = stage_work_bytes(model, costs.head_bytes, stages);
+    let total: u64 = work.iter().sum::<u64>().max(1);
+    let shares: Vec<String> = work
+        .iter()
+        .enumerate()
+        .map(|(i, w)| format!("stage {i} {:.0}%", 100.0 * *w as f64 / total as f64))
+        .collect();
+    format!(
+        "work: a decoded token reads about {} of weights ({}; the head, {}, is the last stage's; the embedding is a row lookup); stages on the same cores take turns, so this is how a step's time divides; on devices of their own the busiest stage sets the pace",
+        fmt_bytes(total),
+        shares.join(", "),
+        fmt_bytes(costs.head_bytes)
+    )
+}
+
 fn notes(
     model: &ModelFile,
     cfg: &PlanConfig,
@@ -1255,6 +1301,9 @@ fn notes(
     let worst = worst.map_or(String::new(), |(i, r)| {
         format!("; fullest: stage {i} at {:.0}% of its budget", r * 100.0)
     });
+    if stages.len() > 1 {
+        notes.push(work_note(model, costs, stages));
+    }
     notes.push(match &cfg.split {
         None if stages.len() == 1 => format!("split: one worker runs the whole model{worst}"),
         None if packed => format!(

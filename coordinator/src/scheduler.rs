@@ -3,9 +3,11 @@
 //! One thread owns every sequence's token log and decides what each step
 //! carries. Sequences join at step boundaries; prompts are fed in chunks of
 //! at most `n_ubatch` tokens, decode tokens first; many sequences share a
-//! step. With several stages the active sequences are dealt into as many
-//! micro-batch groups, each with at most one step in flight, so every stage
-//! has work while the others compute. The last stage samples and returns
+//! step. With several stages that compute on their own hardware the active
+//! sequences are dealt into as many micro-batch groups, each with at most
+//! one step in flight, so every stage has work while the others compute
+//! (stages that share cores take turns instead: one group per compute
+//! site, see `pipeline.rs`). The last stage samples and returns
 //! only tokens; this thread turns them into text (stream-safe UTF-8, stop
 //! strings that never leak) and events for the client.
 //!

@@ -1421,3 +1421,46 @@ fn a_deepseek_v3_shaped_model_offloads_most_experts_and_fits() {
     assert_eq!(p.experts.len(), 1);
     assert_eq!(p.experts[0].layers, out);
 }
+
+/// The plan says how a decode step's work divides between the stages: the
+/// weight bytes each reads per token, from the tensor table. Gemma's output
+/// head is its 262,144-row embedding again (tied), so the last stage does
+/// most of the work whatever the split; the first only looks rows up.
+#[test]
+fn the_plan_says_how_a_steps_work_divides() {
+    let m = model(GEMMA);
+    let p = plan(&m, &workers(&[8 * GIB, 8 * GIB]), &cfg(None)).unwrap();
+    let split = p.stages[1].range.layers.start;
+    let size = |keep: &dyn Fn(&str) -> bool| -> u64 {
+        m.gguf
+            .tensors()
+            .iter()
+            .filter(|t| keep(&t.name))
+            .map(|t| t.size)
+            .sum()
+    };
+    let layer = |name: &str| {
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<u32>().ok())
+    };
+    let first = size(&|n| layer(n).is_some_and(|l| l < split));
+    let last = size(&|n| {
+        layer(n).is_some_and(|l| l >= split)
+            || n == "token_embd.weight"
+            || n == "output_norm.weight"
+    });
+    let total = (first + last) as f64;
+    let note = p.notes.iter().find(|n| n.starts_with("work: ")).unwrap();
+    let want = format!(
+        "about {} of weights (stage 0 {:.0}%, stage 1 {:.0}%",
+        fmt_bytes(first + last),
+        100.0 * first as f64 / total,
+        100.0 * last as f64 / total
+    );
+    assert!(note.contains(&want), "{note}\nwanted: {want}");
+    assert!(last > 4 * first, "the tied head dominates: {note}");
+    // One stage: nothing to divide.
+    let one = plan(&m, &workers(&[8 * GIB]), &cfg(None)).unwrap();
+    assert!(!one.notes.iter().any(|n| n.starts_with("work: ")));
+}

@@ -55,28 +55,7 @@ pub enum Binding {
     Unbound { why: String },
 }
 
-/// Parses a kernel CPU list such as `0-3,8,10-11`.
-pub fn parse_cpulist(s: &str) -> Result<Vec<usize>, String> {
-    let mut cpus = Vec::new();
-    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
-        let num = |t: &str| {
-            t.trim()
-                .parse::<usize>()
-                .map_err(|_| format!("'{t}' in the CPU list '{s}' is not a number"))
-        };
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (num(a)?, num(b)?);
-                if a > b {
-                    return Err(format!("'{part}' in the CPU list '{s}' runs backwards"));
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(num(part)?),
-        }
-    }
-    Ok(cpus)
-}
+pub use omni_telemetry::cpus::parse_cpulist;
 
 /// The nodes under `root` (normally [`SYS_NODES`]); empty when it does not
 /// exist.
@@ -262,17 +241,6 @@ pub fn memory_binding() -> Result<Option<Vec<u32>>, NumaError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpu_lists_parse_and_bad_ones_are_named() {
-        assert_eq!(
-            parse_cpulist("0-3,8,10-11\n").unwrap(),
-            [0, 1, 2, 3, 8, 10, 11]
-        );
-        assert_eq!(parse_cpulist("").unwrap(), Vec::<usize>::new());
-        assert!(parse_cpulist("3-1").unwrap_err().contains("backwards"));
-        assert!(parse_cpulist("0-x").unwrap_err().contains("'x'"));
-    }
 
     /// A fake /sys with two nodes: node ids, CPUs and memory come from it.
     #[test]

@@ -25,6 +25,13 @@ pub struct ExecStats {
     /// Compute time of the last step, in microseconds.
     pub last_step_us: AtomicU64,
     pub total_step_us: AtomicU64,
+    /// The stage thread's other time, in microseconds: sending results on
+    /// (a full ring or a slow gRPC stream shows here) and waiting for the
+    /// next frame (idle: the stages before it, or the coordinator, are the
+    /// slower part). With `total_step_us` and the wall clock they make the
+    /// stage's timeline; the rest is control work for moves.
+    pub send_us: AtomicU64,
+    pub input_wait_us: AtomicU64,
     pub kv_cells_used: AtomicU64,
     pub errors: AtomicU64,
     /// Time steps spent waiting for expert workers, in microseconds.
@@ -38,6 +45,12 @@ pub struct ExecStats {
     pub expert_moves: AtomicU64,
     /// Bytes the stage (and, during a move, the old one) holds.
     pub held_bytes: AtomicU64,
+}
+
+impl ExecStats {
+    fn add_time(&self, counter: &AtomicU64, d: Duration) {
+        counter.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
 }
 
 /// How the stage picks the experts it keeps of its offloaded layers.
@@ -144,6 +157,7 @@ impl Exec {
                     stats,
                     fence: 0,
                 };
+                let mut idle_since = Instant::now();
                 while !s.load(Ordering::Relaxed) {
                     let frame = select! {
                         recv(inbox) -> f => match f {
@@ -152,13 +166,19 @@ impl Exec {
                         },
                         recv(control_rx) -> c => {
                             if let Ok(c) = c {
+                                run.stats.add_time(&run.stats.input_wait_us, idle_since.elapsed());
                                 c(&mut run);
+                                idle_since = Instant::now();
                             }
                             continue;
                         }
                         default(Duration::from_millis(100)) => continue,
                     };
-                    let Some(out) = run.frame(frame) else {
+                    run.stats.add_time(&run.stats.input_wait_us, idle_since.elapsed());
+                    let out = run.frame(frame);
+                    let sending = Instant::now();
+                    idle_since = sending;
+                    let Some(out) = out else {
                         continue;
                     };
                     let index = run.index;
@@ -173,6 +193,9 @@ impl Exec {
                             "stage {index}: a frame arrived before Wire said where output goes; dropped"
                         ),
                     }
+                    drop(guard);
+                    run.stats.add_time(&run.stats.send_us, sending.elapsed());
+                    idle_since = Instant::now();
                 }
             })
             .expect("spawning the stage thread");

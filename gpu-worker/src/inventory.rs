@@ -25,6 +25,10 @@ pub fn read(device: &str, cap: Option<u64>, reserve: u64) -> anyhow::Result<Inve
         numa_nodes: numa_nodes(),
         hostname: sysinfo::System::host_name().unwrap_or_default(),
         host_id: omni_transport::host_id(),
+        cpus: omni_telemetry::cpus::allowed()
+            .into_iter()
+            .map(|c| c as u32)
+            .collect(),
         ..Default::default()
     };
     match dev {

@@ -137,6 +137,12 @@ struct Worker {
     experts: Arc<Mutex<Option<RemoteExperts>>>,
     stats: Arc<ExecStats>,
     state: Mutex<State>,
+    /// When the worker started: the wall clock of the stage timeline.
+    started: std::time::Instant,
+}
+
+fn secs(us: &std::sync::atomic::AtomicU64) -> f64 {
+    us.load(Ordering::Relaxed) as f64 / 1e6
 }
 
 /// Runs the worker until the process is stopped.
@@ -191,6 +197,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         outbox: Arc::new(Mutex::new(None)),
         experts: Arc::new(Mutex::new(None)),
         stats: Arc::default(),
+        started: std::time::Instant::now(),
         state: Mutex::new(State {
             exec: None,
             range: None,
@@ -473,6 +480,10 @@ impl worker_server::Worker for Svc {
             memory_used: used,
             cpu_variant: w.inventory.cpu_variant.clone(),
             cpu_features: w.inventory.cpu_features.clone(),
+            uptime_seconds: w.started.elapsed().as_secs_f64(),
+            compute_seconds: secs(&w.stats.total_step_us),
+            send_seconds: secs(&w.stats.send_us),
+            input_wait_seconds: secs(&w.stats.input_wait_us),
         }))
     }
 }
@@ -649,6 +660,16 @@ impl Worker {
             "step_compute_seconds",
             "Compute time of all steps",
             ConstCounter::new(get(&s.total_step_us) as f64 / 1e6),
+        );
+        r.register(
+            "step_send_seconds",
+            "Time the stage thread spent sending results on",
+            ConstCounter::new(get(&s.send_us) as f64 / 1e6),
+        );
+        r.register(
+            "input_wait_seconds",
+            "Time the stage thread waited for the next frame (idle)",
+            ConstCounter::new(get(&s.input_wait_us) as f64 / 1e6),
         );
         r.register(
             "last_step_ms",

@@ -7,6 +7,7 @@ mod admin;
 mod bench;
 mod bench_cluster;
 mod bench_move;
+mod bench_serve;
 mod fetch;
 mod generate;
 mod plan;
@@ -44,6 +45,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Decode speed through local clusters (1 stage, 2 over shm, 2 over gRPC) beside llama.cpp.
     BenchCluster(bench_cluster::BenchClusterArgs),
+    /// Serving speed through the OpenAI API (1 stream, N streams, the seeds' chat benchmark) of 1, 2, 3 stages beside llama-server.
+    BenchServe(bench_serve::BenchServeArgs),
     /// What a live move of one layer costs (total, pipeline pause) beside a restart.
     BenchMove(bench_move::BenchMoveArgs),
     /// Show how a model would be split across devices, and why (nothing is loaded).
@@ -72,6 +75,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::BenchCluster(args) => bench_cluster::run(args),
+        Command::BenchServe(args) => bench_serve::run(args),
         Command::BenchMove(args) => bench_move::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Up(args) => up::run(args),

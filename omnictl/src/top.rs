@@ -1,13 +1,14 @@
 //! `omnictl top`: a live view of a running cluster in the terminal
 //! (ratatui): every worker with its layers as a bar over the model's
-//! layers, tokens per second, step time, planned memory against the
+//! layers, tokens per second, step time, busy fraction (the share of the
+//! interval its stage computed), planned memory against the
 //! device's, KV cells in use and health, refreshed every `--interval`
 //! seconds from the admin API. `q` or Esc quits. `--once` prints one frame
 //! as text and exits (for scripts and logs).
 
 use crate::admin::{admin_client, AdminArgs};
 use clap::Args;
-use omni_proto::admin::v1::{ListWorkersReply, ListWorkersRequest};
+use omni_proto::admin::v1::{ListWorkersReply, ListWorkersRequest, WorkerInfo};
 use ratatui::crossterm::event::{self, Event, KeyCode};
 use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Color, Modifier, Style};
@@ -74,22 +75,16 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
         ),
         _ => "-".into(),
     };
-    let earlier: HashMap<&str, u64> = before
-        .map(|b| {
-            b.reply
-                .workers
-                .iter()
-                .map(|w| (w.id.as_str(), w.tokens))
-                .collect()
-        })
+    let earlier: HashMap<&str, &WorkerInfo> = before
+        .map(|b| b.reply.workers.iter().map(|w| (w.id.as_str(), w)).collect())
         .unwrap_or_default();
     let title = format!(
         "omni: {} | {} layers | {} sequences running | {tok_s} tokens/s out",
         r.model, r.n_layer, r.active_sequences
     );
     let header = vec![
-        "worker", "kind", "device", "layers", "range", "tok/s in", "step ms", "memory", "KV cells",
-        "health",
+        "worker", "kind", "device", "layers", "range", "tok/s in", "step ms", "busy", "memory",
+        "KV cells", "health",
     ];
     let mut rows = Vec::new();
     let mut healthy = Vec::new();
@@ -100,10 +95,20 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
         } else {
             layer_bar(r.n_layer, |l| w.expert_layers.contains(&l))
         };
-        let rate = match (earlier.get(w.id.as_str()), secs) {
-            (Some(&t0), Some(s)) if stage => {
-                format!("{:.1}", w.tokens.saturating_sub(t0) as f64 / s)
-            }
+        let before = earlier.get(w.id.as_str()).filter(|_| stage);
+        let rate = match (before, secs) {
+            (Some(b), Some(s)) => format!("{:.1}", w.tokens.saturating_sub(b.tokens) as f64 / s),
+            _ => "-".into(),
+        };
+        // The stage thread's share of the interval spent computing (the
+        // rest: sending on, waiting for input); the slowest stage of a
+        // pipeline is the busiest.
+        let busy = match before {
+            Some(b) if w.uptime_seconds > b.uptime_seconds => format!(
+                "{:.0}%",
+                100.0 * (w.compute_seconds - b.compute_seconds)
+                    / (w.uptime_seconds - b.uptime_seconds)
+            ),
             _ => "-".into(),
         };
         rows.push(vec![
@@ -128,6 +133,7 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
             } else {
                 "-".into()
             },
+            busy,
             format!(
                 "{} of {}",
                 fmt_bytes(w.memory_planned),
@@ -231,6 +237,7 @@ pub fn run(a: &TopArgs) -> anyhow::Result<()> {
                     Constraint::Min(22),
                     Constraint::Length(9),
                     Constraint::Length(8),
+                    Constraint::Length(5),
                     Constraint::Length(22),
                     Constraint::Length(11),
                     Constraint::Min(8),

@@ -38,7 +38,8 @@ pub struct UpArgs {
     /// the last one repeats for the workers past the list).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub device: Vec<omni_engine::Device>,
-    /// Compute threads per worker (default: the cores divided among workers).
+    /// Compute threads per worker (default: every core; local stages take
+    /// turns on them).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
     /// Memory each worker offers, e.g. 2GiB (default: what the machine has free).
@@ -383,8 +384,12 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         anyhow::bail!("--stages must be at least 1");
     }
     let model = crate::resolve_model(&a.model)?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads.unwrap_or((cores / a.stages).max(1));
+    // Every worker gets every core: local stages share the CPUs, so the
+    // coordinator has them take turns (one micro-batch group, see the
+    // coordinator's pipeline.rs) and each step runs on all of them.
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
 
     let stop = Arc::new(AtomicBool::new(false));
     {
@@ -429,6 +434,9 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
                             "omnictl:   {} ({}): {}, output over {}",
                             s.worker_id, s.device, s.range, s.transport
                         );
+                    }
+                    if !info.pipeline_note.is_empty() {
+                        eprintln!("omnictl:   {}", info.pipeline_note);
                     }
                     eprintln!(
                         "omnictl: try: omnictl generate --coordinator {} --prompt \"The capital of France is\" -n 32",

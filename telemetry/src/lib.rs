@@ -9,6 +9,7 @@
 //! frame), so one trace shows the request everywhere it ran. `crash` says
 //! how a process died (which signal), to its supervisor and the coordinator.
 
+pub mod cpus;
 pub mod crash;
 
 use opentelemetry::propagation::TextMapPropagator;

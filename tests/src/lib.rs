@@ -142,6 +142,9 @@ pub struct ClusterSpec {
     pub cpu_workers: usize,
     /// Extra flags per expert worker.
     pub cpu_worker_args: Vec<Vec<String>>,
+    /// CPUs each stage worker may run on (`taskset -c`; index = stage;
+    /// empty: all).
+    pub worker_cpus: Vec<String>,
 }
 
 impl ClusterSpec {
@@ -157,6 +160,7 @@ impl ClusterSpec {
             start_workers: None,
             cpu_workers: 0,
             cpu_worker_args: Vec::new(),
+            worker_cpus: Vec::new(),
         }
     }
 }
@@ -181,7 +185,14 @@ fn coordinator_cmd(model: &Path, spec: &ClusterSpec, addr: &str, admin_addr: &st
 
 /// Stage worker `i` of a [`Cluster`] started from `spec`.
 fn worker_cmd(spec: &ClusterSpec, addr: &str, i: usize) -> Command {
-    let mut w = Command::new(target_bin("omni-gpu-worker"));
+    let mut w = match spec.worker_cpus.get(i).filter(|c| !c.is_empty()) {
+        Some(cpus) => {
+            let mut t = Command::new("taskset");
+            t.args(["-c", cpus]).arg(target_bin("omni-gpu-worker"));
+            t
+        }
+        None => Command::new(target_bin("omni-gpu-worker")),
+    };
     w.args(["--coordinator", addr])
         .args(["--id", &format!("w{i}")])
         .args(["--threads", &spec.threads.to_string()])

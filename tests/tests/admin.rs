@@ -162,6 +162,14 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
     assert_eq!(bar("w0"), "██··", "{top}");
     assert_eq!(bar("w1"), "··██", "{top}");
     assert_eq!(bar("c0"), "·███", "{top}");
+    // Each stage's busy fraction over the interval (the expert worker has
+    // no stage timeline).
+    let busy = |id: &str| {
+        top.lines()
+            .find(|l| l.starts_with(id))
+            .is_some_and(|l| l.split_whitespace().any(|c| c.ends_with('%')))
+    };
+    assert!(busy("w0") && busy("w1") && !busy("c0"), "{top}");
 
     let (ok, plan, err) = omnictl(&c, Some(TOKEN), &["plan"]);
     assert!(ok, "{err}");

@@ -56,6 +56,15 @@ fn check_cluster_matches_engine(model_file: &str, fixture: &str) {
             let cluster = Cluster::start(&model(model_file), &ClusterSpec::new(stages, transport));
             let info = cluster.info().unwrap();
             assert_eq!(info.stages.len(), stages);
+            // Local stages share the cores: they take turns, one group.
+            assert_eq!(info.micro_batch_groups, 1);
+            assert_eq!(
+                info.pipeline_note
+                    .contains("share the same CPUs: they take turns"),
+                stages > 1,
+                "{}",
+                info.pipeline_note
+            );
             for s in &info.stages {
                 assert_eq!(
                     s.transport,
@@ -532,5 +541,93 @@ fn moe_models_split_across_workers_give_llama_cpp_tokens() {
             }
             eprintln!("{name}: 2 stages over {transport}: llama.cpp's tokens");
         }
+    }
+}
+
+/// Stages with cores of their own (workers pinned to disjoint CPUs, as on
+/// two hosts or two NUMA nodes) overlap: one micro-batch group per stage,
+/// and concurrent requests still get the engine's tokens (the cluster test
+/// tolerance: batched and solo rows may differ at near ties, so compared
+/// against each request alone through the same cluster).
+#[test]
+fn stages_on_their_own_cores_overlap() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let allowed = omni_telemetry::cpus::allowed();
+    if cpus < 2 || allowed.len() < 2 {
+        eprintln!("skipped: needs two CPUs (this machine has {cpus})");
+        return;
+    }
+    let _g = serial();
+    let prompts = short_prompts("real_gemma3_270m.json", 2);
+    let spec = ClusterSpec {
+        worker_cpus: vec![allowed[0].to_string(), allowed[1].to_string()],
+        ..ClusterSpec::new(2, "shm")
+    };
+    let cluster = Cluster::start(&model(GEMMA), &spec);
+    let info = cluster.info().unwrap();
+    assert_eq!(info.micro_batch_groups, 2, "{}", cluster.logs());
+    assert_eq!(info.pipeline_note, "");
+    let want = reference(GEMMA, &prompts);
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| ids(&cluster.generate(greedy(p, N_GEN)).unwrap()))
+        .collect();
+    assert_eq!(alone, want, "each request alone gets the engine's tokens");
+    let streams = omni_tests::start_streams(
+        &cluster.addr,
+        prompts.iter().map(|p| greedy(p, N_GEN)).collect(),
+    );
+    omni_tests::same_tokens(
+        &streams.handle.join().unwrap(),
+        &alone,
+        "two groups in flight",
+    );
+}
+
+/// `omnictl bench-serve` (a benchmark: no speed is asserted here) runs
+/// omni behind the router and accounts for each stage's time: computing,
+/// sending on and waiting for input cover the wall time between two
+/// readings, and every stage computed something.
+#[test]
+fn bench_serve_accounts_for_each_stages_time() {
+    let _g = serial();
+    let out = std::process::Command::new(omni_tests::target_bin("omnictl"))
+        .args(["bench-serve", "--model"])
+        .arg(model(GEMMA))
+        .args([
+            "--stages",
+            "2",
+            "--streams",
+            "2",
+            "--tokens",
+            "8",
+            "--rounds",
+            "1",
+        ])
+        .args(["--no-chat", "--json", "-t", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let row = &v["rows"][0];
+    assert_eq!(row["config"], "omni 2 stages", "{v}");
+    assert!(row["one_stream_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(row["streams_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+    let stages = row["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2, "{v}");
+    for (s, worker) in stages.iter().zip(["w0", "w1"]) {
+        assert_eq!(s["worker"], worker);
+        let part = |k: &str| s[k].as_f64().unwrap();
+        let all = part("compute") + part("send") + part("input_wait");
+        assert!(part("compute") > 0.0, "{s}");
+        assert!(
+            (0.8..=1.05).contains(&all),
+            "the timeline covers the wall time: {s}"
+        );
     }
 }

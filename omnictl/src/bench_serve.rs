@@ -1,0 +1,470 @@
+//! `omnictl bench-serve`: serving speed through the OpenAI API, side by side
+//! in one run: llama.cpp's `llama-server` (the reference, when given) and
+//! local omni clusters of 1, 2, 3... stages behind the router. For each:
+//! one stream, N concurrent streams (aggregate), and the seeds' chat
+//! benchmark (`../shared/seeds/`: three questions, `max_tokens` 256, no
+//! streaming, tokens over wall time per request); and for omni, where each
+//! stage's time went while N streams ran (computing, sending on, waiting
+//! for input) from the workers' Status.
+
+use crate::bench_cluster::free_port;
+use crate::up::{LocalCluster, UpArgs};
+use anyhow::Context;
+use clap::Args;
+use omni_proto::worker::v1::StatusReply;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct BenchServeArgs {
+    /// GGUF path or known model name.
+    #[arg(long, short)]
+    pub model: String,
+    /// llama.cpp's llama-server binary, the reference (built by
+    /// `scripts/llama-bench portable server`); without it only omni runs.
+    #[arg(long)]
+    pub llama_server: Option<PathBuf>,
+    /// omni clusters to run, by number of stages.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    pub stages: Vec<usize>,
+    /// Compute threads of every process (default: every core).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Concurrent streams of the throughput run (and the servers' slots).
+    #[arg(long, default_value_t = 8)]
+    pub streams: usize,
+    /// Tokens each stream generates (ignore_eos) in the 1- and N-stream runs.
+    #[arg(long, default_value_t = 64)]
+    pub tokens: usize,
+    /// Rounds of each run; the best is reported (the chat benchmark: the mean over rounds and prompts).
+    #[arg(long, short, default_value_t = 2)]
+    pub rounds: usize,
+    /// Skip the seeds' chat benchmark (256 tokens, three prompts).
+    #[arg(long)]
+    pub no_chat: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The seeds' benchmark prompts (`benchmark_lazarus.py`).
+const CHAT_PROMPTS: [&str; 3] = [
+    "Explain quantum entanglement in simple terms.",
+    "Write a Python function to find prime numbers.",
+    "What are the key principles of distributed systems?",
+];
+
+/// Prompts of the 1- and N-stream runs, dealt round-robin.
+const PROMPTS: [&str; 4] = [
+    "The history of the city begins",
+    "Write a Python function to find prime numbers.",
+    "Explain quantum entanglement in simple terms.",
+    "What are the key principles of distributed systems?",
+];
+
+/// Context of one sequence in every server.
+const CTX: usize = 2048;
+
+struct Row {
+    name: String,
+    one: f64,
+    many: f64,
+    chat: Option<f64>,
+    /// Per stage: (worker, compute, send, input wait), fractions of the wall
+    /// time of the N-stream runs.
+    timeline: Vec<(String, f64, f64, f64)>,
+}
+
+pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
+    let path = crate::resolve_model(&a.model)?;
+    anyhow::ensure!(a.streams >= 1, "--streams must be at least 1");
+    anyhow::ensure!(
+        a.stages.iter().all(|&s| s >= 1),
+        "--stages takes stage counts of at least 1"
+    );
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(600))
+        .build()?;
+    let mut rows = Vec::new();
+
+    if let Some(bin) = &a.llama_server {
+        eprintln!("bench-serve: llama-server ({})", bin.display());
+        let port = free_port()?;
+        let mut server = LlamaServer::start(bin, &path, port, threads, a.streams)?;
+        let result = (|| {
+            let base = format!("http://127.0.0.1:{port}");
+            server.wait_ready(&rt, &http, &base)?;
+            rt.block_on(measure(&http, &base, "auto", &a, None))
+        })();
+        server.stop();
+        let (one, many, chat, _) = result.context("benchmark 'llama-server'")?;
+        rows.push(Row {
+            name: format!("llama-server -np {} -t {threads}", a.streams),
+            one,
+            many,
+            chat,
+            timeline: Vec::new(),
+        });
+    }
+
+    for &stages in &a.stages {
+        let name = format!("omni {stages} stage{}", if stages == 1 { "" } else { "s" });
+        eprintln!("bench-serve: {name}");
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let port = free_port()?;
+        let up = UpArgs {
+            port,
+            ctx: CTX,
+            seqs: a.streams,
+            admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+            ..UpArgs::bench(&a.model, stages, "auto", &listen, threads)
+        };
+        let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
+        let result = (|| {
+            let info = cluster.wait_ready(&listen, Duration::from_secs(180))?;
+            let base = format!("http://127.0.0.1:{port}");
+            wait_http(
+                &rt,
+                &http,
+                &format!("{base}/ready"),
+                Duration::from_secs(60),
+            )?;
+            let model = rt.block_on(served_model(&http, &base))?;
+            rt.block_on(measure(&http, &base, &model, &a, Some(&info)))
+        })();
+        cluster.stop();
+        let (one, many, chat, timeline) = result.with_context(|| format!("benchmark '{name}'"))?;
+        rows.push(Row {
+            name,
+            one,
+            many,
+            chat,
+            timeline,
+        });
+    }
+    print(&a, &path, threads, &rows)
+}
+
+type Measured = (f64, f64, Option<f64>, Vec<(String, f64, f64, f64)>);
+
+/// One stream, N streams (with the stages' timeline), the chat benchmark.
+async fn measure(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    a: &BenchServeArgs,
+    cluster: Option<&omni_proto::coordinator::v1::InfoReply>,
+) -> anyhow::Result<Measured> {
+    // A warm-up request: the first one pays for page faults and caches.
+    completion(http, base, model, PROMPTS[0], 8).await?;
+    let mut one = Vec::new();
+    for _ in 0..a.rounds {
+        let t = Instant::now();
+        let n = completion(http, base, model, PROMPTS[0], a.tokens).await?;
+        one.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    let before = match cluster {
+        Some(info) => Some(crate::remote::statuses(info).await?),
+        None => None,
+    };
+    let mut many = Vec::new();
+    for _ in 0..a.rounds {
+        let t = Instant::now();
+        let runs = (0..a.streams)
+            .map(|i| completion(http, base, model, PROMPTS[i % PROMPTS.len()], a.tokens));
+        let n: usize = futures_sum(runs).await?;
+        many.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    let timeline = match (cluster, before) {
+        (Some(info), Some(before)) => {
+            let after = crate::remote::statuses(info).await?;
+            timeline(&before, &after)
+        }
+        _ => Vec::new(),
+    };
+    let chat = if a.no_chat {
+        None
+    } else {
+        let mut rates = Vec::new();
+        for _ in 0..a.rounds {
+            for p in CHAT_PROMPTS {
+                rates.push(chat(http, base, model, p).await?);
+            }
+        }
+        Some(rates.iter().sum::<f64>() / rates.len() as f64)
+    };
+    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    Ok((best(&one), best(&many), chat, timeline))
+}
+
+/// Each stage's compute, send and input-wait time over the wall time
+/// between two Status snapshots.
+pub fn timeline(before: &[StatusReply], after: &[StatusReply]) -> Vec<(String, f64, f64, f64)> {
+    after
+        .iter()
+        .map(|a| {
+            let b = before.iter().find(|b| b.worker_id == a.worker_id);
+            let d = |f: fn(&StatusReply) -> f64| f(a) - b.map_or(0.0, f);
+            let wall = d(|s| s.uptime_seconds).max(1e-9);
+            (
+                a.worker_id.clone(),
+                d(|s| s.compute_seconds) / wall,
+                d(|s| s.send_seconds) / wall,
+                d(|s| s.input_wait_seconds) / wall,
+            )
+        })
+        .collect()
+}
+
+/// Runs the futures concurrently and sums their token counts.
+async fn futures_sum(
+    runs: impl Iterator<
+        Item = impl std::future::Future<Output = anyhow::Result<usize>> + Send + 'static,
+    >,
+) -> anyhow::Result<usize> {
+    let handles: Vec<_> = runs.map(tokio::spawn).collect();
+    let mut n = 0;
+    for h in handles {
+        n += h.await??;
+    }
+    Ok(n)
+}
+
+/// `/v1/completions`, greedy, `ignore_eos`: the tokens generated.
+fn completion(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    prompt: &str,
+    tokens: usize,
+) -> impl std::future::Future<Output = anyhow::Result<usize>> + Send + 'static {
+    let req = http
+        .post(format!("{base}/v1/completions"))
+        .json(&serde_json::json!({
+            "model": model, "prompt": prompt, "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": true,
+        }));
+    async move { usage(req).await }
+}
+
+/// The seeds' request: a chat of one question, `max_tokens` 256, not
+/// streamed; tokens over the request's wall time. Greedy and `ignore_eos`
+/// here, so that every server writes 256 tokens whatever its chat template
+/// makes the model say.
+async fn chat(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    prompt: &str,
+) -> anyhow::Result<f64> {
+    let req = http
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 256, "stream": false, "temperature": 0, "ignore_eos": true,
+        }));
+    let t = Instant::now();
+    let n = usage(req).await?;
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+async fn usage(req: reqwest::RequestBuilder) -> anyhow::Result<usize> {
+    let r = req.send().await?;
+    let status = r.status();
+    let body: serde_json::Value = r.json().await?;
+    anyhow::ensure!(status.is_success(), "HTTP {status}: {body}");
+    body["usage"]["completion_tokens"]
+        .as_u64()
+        .map(|n| n as usize)
+        .with_context(|| format!("no usage.completion_tokens in {body}"))
+}
+
+/// The first model the server lists.
+async fn served_model(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    let v: serde_json::Value = http
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("no model in {base}/v1/models: {v}"))
+}
+
+fn wait_http(
+    rt: &tokio::runtime::Runtime,
+    http: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let ok = rt.block_on(async {
+            http.get(url)
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        });
+        if ok {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{url} was not ready within {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// llama.cpp's server as a child process.
+struct LlamaServer(Child);
+
+impl LlamaServer {
+    fn start(
+        bin: &Path,
+        model: &Path,
+        port: u16,
+        threads: usize,
+        slots: usize,
+    ) -> anyhow::Result<Self> {
+        let child = Command::new(bin)
+            .arg("-m")
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["-np", &slots.to_string(), "-t", &threads.to_string()])
+            // Its context is shared by the slots: the same per sequence as omni's.
+            .args(["-c", &(CTX * slots).to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        Ok(LlamaServer(child))
+    }
+
+    fn wait_ready(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        http: &reqwest::Client,
+        base: &str,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(status) = self.0.try_wait()? {
+                anyhow::bail!("llama-server {}", omni_telemetry::crash::describe(&status));
+            }
+            if wait_http(rt, http, &format!("{base}/health"), Duration::ZERO).is_ok() {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "llama-server was not ready within 120 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn stop(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyhow::Result<()> {
+    let reference = a.llama_server.as_ref().map(|_| &rows[0]);
+    let one_stage = rows.iter().find(|r| r.name == "omni 1 stage");
+    let ratio = |v: Option<f64>, of: Option<f64>| match (v, of) {
+        (Some(v), Some(of)) if of > 0.0 => Some(v / of),
+        _ => None,
+    };
+    if a.json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "config": r.name,
+                    "one_stream_tok_s": r.one,
+                    "streams_tok_s": r.many,
+                    "chat_tok_s": r.chat,
+                    "one_stream_vs_llama_server": ratio(Some(r.one), reference.map(|x| x.one)),
+                    "streams_vs_llama_server": ratio(Some(r.many), reference.map(|x| x.many)),
+                    "chat_vs_llama_server": ratio(r.chat, reference.and_then(|x| x.chat)),
+                    "one_stream_vs_one_stage": ratio(Some(r.one), one_stage.map(|x| x.one)),
+                    "streams_vs_one_stage": ratio(Some(r.many), one_stage.map(|x| x.many)),
+                    "stages": r.timeline.iter().map(|(w, c, s, i)| serde_json::json!({
+                        "worker": w, "compute": c, "send": s, "input_wait": i,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "model": model, "threads_per_process": threads, "streams": a.streams,
+                "tokens": a.tokens, "rounds": a.rounds, "rows": v,
+            }))?
+        );
+        return Ok(());
+    }
+    let x = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{r:.2}x"));
+    println!(
+        "model {} | {threads} thread(s) per process | {} tokens per stream (ignore_eos), best of {}; chat: the seeds' benchmark, 256 tokens, mean of {}",
+        model.display(),
+        a.tokens,
+        a.rounds,
+        a.rounds * CHAT_PROMPTS.len()
+    );
+    let n = a.streams;
+    println!(
+        "{:<26} {:>9} {:>8} {:>8} {:>11} {:>8} {:>8} {:>9} {:>8}",
+        "config",
+        "1 stream",
+        "vs llama",
+        "vs 1 st",
+        format!("{n} streams"),
+        "vs llama",
+        "vs 1 st",
+        "chat",
+        "vs llama"
+    );
+    for r in rows {
+        println!(
+            "{:<26} {:>9.1} {:>8} {:>8} {:>11.1} {:>8} {:>8} {:>9} {:>8}",
+            r.name,
+            r.one,
+            x(ratio(Some(r.one), reference.map(|x| x.one))),
+            x(ratio(Some(r.one), one_stage.map(|x| x.one))),
+            r.many,
+            x(ratio(Some(r.many), reference.map(|x| x.many))),
+            x(ratio(Some(r.many), one_stage.map(|x| x.many))),
+            r.chat.map_or("-".into(), |c| format!("{c:.1}")),
+            x(ratio(r.chat, reference.and_then(|x| x.chat))),
+        );
+    }
+    println!("where each stage's time went while {n} streams ran (of wall time):");
+    for r in rows.iter().filter(|r| !r.timeline.is_empty()) {
+        let parts: Vec<String> = r
+            .timeline
+            .iter()
+            .map(|(w, c, s, i)| {
+                format!(
+                    "{w} compute {:.0}% send {:.0}% waiting {:.0}%",
+                    c * 100.0,
+                    s * 100.0,
+                    i * 100.0
+                )
+            })
+            .collect();
+        println!("  {:<24} {}", r.name, parts.join(" | "));
+    }
+    Ok(())
+}
