@@ -518,6 +518,9 @@ struct Costs<'a> {
     layer_prefix: Vec<u64>,
     /// `swa_prefix[j]`: sliding-window layers among `0..j`.
     swa_prefix: Vec<u32>,
+    /// `work_prefix[j]`: weight bytes a decoded token reads in layers `0..j`
+    /// (see [`layer_work`]).
+    work_prefix: Vec<u64>,
     embed_bytes: u64,
     head_bytes: u64,
     /// Embedding and head on one stage.
@@ -559,8 +562,10 @@ impl<'a> Costs<'a> {
             .collect();
         let mut layer_prefix = vec![0u64; n as usize + 1];
         let mut swa_prefix = vec![0u32; n as usize + 1];
+        let mut work_prefix = vec![0u64; n as usize + 1];
         for il in 0..n {
             let i = il as usize;
+            work_prefix[i + 1] = work_prefix[i] + layer_work(model, il, offload_all);
             let mut bytes = model.range_weight_bytes(&range(false, il..il + 1, false));
             if offload_all {
                 bytes -= expert[i] - kept[i];
@@ -577,6 +582,7 @@ impl<'a> Costs<'a> {
             offload_all,
             layer_prefix,
             swa_prefix,
+            work_prefix,
             embed_bytes: model.range_weight_bytes(&range(true, 0..0, false)),
             // The head alone: output norm and projection (the token embedding
             // again when they are tied, since this stage does not embed).
@@ -634,6 +640,13 @@ impl<'a> Costs<'a> {
         let masks = u64::from(swa > 0) + u64::from(global > 0);
         let compute = self.est.bytes(embed, b > a, masks, head);
         (weights, self.kv_per_layer * u64::from(b - a), compute)
+    }
+
+    /// Weight bytes a decoded token reads on stage `i` of `w` running
+    /// layers `a..b`: the layers and, on the last, the head.
+    fn work(&self, i: usize, w: usize, a: u32, b: u32) -> u64 {
+        let head = if i + 1 == w { self.head_bytes } else { 0 };
+        self.work_prefix[b as usize] - self.work_prefix[a as usize] + head
     }
 
     fn total(&self, i: usize, w: usize, a: u32, b: u32) -> u64 {
@@ -747,6 +760,17 @@ pub fn plan_with_experts(
     build(model, workers, expert_workers, cfg, mode)
 }
 
+/// How an automatic split was made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AutoSplit {
+    /// Balanced by the work per token, within memory.
+    Work,
+    /// In proportion to the budgets.
+    Proportional,
+    /// Filling the workers most evenly (nothing else fit).
+    Packed,
+}
+
 /// Which routed experts may leave their stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Offload {
@@ -781,8 +805,26 @@ fn build(
         .map(|wk| budget(wk.free_bytes, cfg.headroom))
         .collect();
 
-    let mut packed = false;
+    let mut auto = AutoSplit::Proportional;
+    let one_kind = workers
+        .iter()
+        .all(|wk| is_gpu(&wk.device) == is_gpu(&workers[0].device));
     let (counts, how) = match &cfg.split {
+        // Workers of one kind (all CPUs or all GPUs) and every expert with
+        // its layer: balanced by the work each stage does per token, within
+        // memory, so that the slowest stage is as fast as it can be.
+        None if one_kind && mode == Offload::None && workers.len() > 1 => {
+            match work_split(&costs, &budgets, n_layer) {
+                Some(c) => {
+                    auto = AutoSplit::Work;
+                    (c, None)
+                }
+                None => {
+                    auto = AutoSplit::Packed;
+                    (auto_split(&costs, &budgets, n_layer), None)
+                }
+            }
+        }
         None => {
             // Layers in proportion to each worker's budget (what a user of
             // llama.cpp's --tensor-split would pick by hand), unless that
@@ -798,7 +840,7 @@ fn build(
             match proportions_to_counts(&shares, workers, n_layer) {
                 Ok(c) if fits(&c) => (c, None),
                 _ => {
-                    packed = true;
+                    auto = AutoSplit::Packed;
                     (auto_split(&costs, &budgets, n_layer), None)
                 }
             }
@@ -908,7 +950,7 @@ fn build(
         .collect();
     let experts = assign_experts(&costs, expert_workers, &offloaded)?;
 
-    let mut notes = notes(model, cfg, &costs, &stages, &counts, packed);
+    let mut notes = notes(model, cfg, &costs, &stages, &counts, auto);
     notes.extend(expert_notes(
         model,
         cfg,
@@ -1136,8 +1178,33 @@ pub fn min_max_split(model: &ModelFile, workers: &[WorkerSpec], cfg: &PlanConfig
 
 fn auto_split(costs: &Costs<'_>, budgets: &[u64], n_layer: u32) -> Vec<u32> {
     let w = budgets.len();
-    let n = n_layer as usize;
     let r = |i: usize, a: usize, b: usize| ratio(costs.total(i, w, a as u32, b as u32), budgets[i]);
+    min_max_counts(w, n_layer as usize, &r).1
+}
+
+/// The split that makes the slowest stage as fast as it can be: contiguous
+/// counts minimising the largest [`Costs::work`] among the splits where
+/// every stage fits its budget (then, among those, the sum of squares of
+/// the work, so the other stages are even too). None when no split fits.
+fn work_split(costs: &Costs<'_>, budgets: &[u64], n_layer: u32) -> Option<Vec<u32>> {
+    let w = budgets.len();
+    let r = |i: usize, a: usize, b: usize| {
+        let (a, b) = (a as u32, b as u32);
+        if costs.total(i, w, a, b) <= budgets[i] {
+            costs.work(i, w, a, b) as f64
+        } else {
+            f64::INFINITY
+        }
+    };
+    let (worst, counts) = min_max_counts(w, n_layer as usize, &r);
+    worst.is_finite().then_some(counts)
+}
+
+/// Contiguous counts of `n` layers over `w` stages (at least one each) that
+/// minimise the largest `r(stage, a, b)` of stage ranges `a..b`, then the sum
+/// of their squares within that; the largest comes back with them.
+/// Exact dynamic programming, O(w·n²).
+fn min_max_counts(w: usize, n: usize, r: &dyn Fn(usize, usize, usize) -> f64) -> (f64, Vec<u32>) {
     // Stage i covers ..j; stages 0..=i cover 0..j with at least one layer each.
     let search = |score: &dyn Fn(f64, f64) -> f64, limit: f64| -> (f64, Vec<u32>) {
         let mut best = vec![vec![f64::INFINITY; n + 1]; w];
@@ -1179,39 +1246,55 @@ fn auto_split(costs: &Costs<'_>, budgets: &[u64], n_layer: u32) -> Vec<u32> {
     };
     let (worst, counts) = search(&|prev, x| prev.max(x), f64::INFINITY);
     if !worst.is_finite() {
-        return counts;
+        return (worst, counts);
     }
     // Allow for rounding in the ratios: the second pass must find the first's split.
     let (_, balanced) = search(&|prev, x| prev + x * x, worst * (1.0 + 1e-12));
-    balanced
+    (worst, balanced)
 }
 
-/// Weight bytes one token of a decode step reads on each stage: its layers'
-/// tensors (of a MoE layer's routed experts only the `n_expert_used` of
-/// `n_expert` a token selects, and none of an offloaded layer's, which an
-/// expert worker reads) and, on the last stage, the output head; the
-/// embedding is a row lookup. Decoding is bound by reading weights, so
-/// this is each stage's share of a step's time on equal devices.
-fn stage_work_bytes(model: &ModelFile, costs_head: u64, stages: &[StagePlan]) -> Vec<u64> {
-    let layer_bytes = model.gguf.layer_bytes();
-    let moe = model.hparams.moe.as_ref();
+/// Weight bytes one token of a decode step reads in layer `il`: its
+/// tensors, of a MoE layer's routed experts only the `n_expert_used` of
+/// `n_expert` a token selects, and none when they are offloaded (an expert
+/// worker reads them). Decoding is bound by reading weights, so this is the
+/// layer's share of a step's time on equal devices.
+fn layer_work(model: &ModelFile, il: u32, offloaded: bool) -> u64 {
+    let all = model.range_weight_bytes(&LayerRange {
+        embed: false,
+        layers: il..il + 1,
+        head: false,
+    });
+    let experts = model.expert_weight_bytes(il);
+    let selected = match model.hparams.moe.as_ref() {
+        Some(m) if !offloaded && m.n_expert > 0 => {
+            experts * u64::from(m.n_expert_used) / u64::from(m.n_expert)
+        }
+        _ => 0,
+    };
+    all - experts + selected
+}
+
+/// Each stage's weight reads per decoded token in `plan`: its layers' (see
+/// [`layer_work`]) and, on the last stage, the output head's; the embedding
+/// is a row lookup. The automatic split makes the largest of these as small
+/// as memory allows.
+pub fn work_per_token(model: &ModelFile, plan: &Plan) -> Vec<u64> {
+    let head = model.range_weight_bytes(&LayerRange {
+        embed: false,
+        layers: model.hparams.n_layer..model.hparams.n_layer,
+        head: true,
+    });
+    stage_work_bytes(model, head, &plan.stages)
+}
+
+fn stage_work_bytes(model: &ModelFile, head_bytes: u64, stages: &[StagePlan]) -> Vec<u64> {
     stages
         .iter()
         .map(|s| {
             let layers: u64 = (s.range.layers.clone())
-                .map(|il| {
-                    let all = layer_bytes.get(il as usize).copied().unwrap_or(0);
-                    let experts = model.expert_weight_bytes(il);
-                    let selected = match moe {
-                        Some(m) if !s.offloaded.contains(&il) && m.n_expert > 0 => {
-                            experts * u64::from(m.n_expert_used) / u64::from(m.n_expert)
-                        }
-                        _ => 0,
-                    };
-                    all - experts + selected
-                })
+                .map(|il| layer_work(model, il, s.offloaded.contains(&il)))
                 .sum();
-            layers + if s.range.head { costs_head } else { 0 }
+            layers + if s.range.head { head_bytes } else { 0 }
         })
         .collect()
 }
@@ -1238,7 +1321,7 @@ fn notes(
     costs: &Costs<'_>,
     stages: &[StagePlan],
     counts: &[u32],
-    packed: bool,
+    auto: AutoSplit,
 ) -> Vec<String> {
     let hp = &model.hparams;
     let tensors = model.gguf.tensors();
@@ -1306,7 +1389,11 @@ fn notes(
     }
     notes.push(match &cfg.split {
         None if stages.len() == 1 => format!("split: one worker runs the whole model{worst}"),
-        None if packed => format!(
+        None if auto == AutoSplit::Work => format!(
+            "split: automatic, layers {}: the slowest stage as fast as it can be, from the weight bytes each stage reads per decoded token (see work), with every stage within its budget (workers of one kind count as equally fast; --split or --layers set it by hand){worst}",
+            join(counts)
+        ),
+        None if auto == AutoSplit::Packed => format!(
             "split: automatic, layers {}: layers in proportion to the budgets did not fit, so contiguous ranges minimising the largest total/budget, then evening out the rest{worst}",
             join(counts)
         ),
