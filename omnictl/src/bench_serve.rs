@@ -130,11 +130,18 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
         let result = (|| {
             let info = cluster.wait_ready(&listen, Duration::from_secs(180))?;
             let base = format!("http://127.0.0.1:{port}");
+            let url = format!("{base}/ready");
             wait_http(
                 &rt,
                 &http,
-                &format!("{base}/ready"),
+                &url,
                 Duration::from_secs(60),
+                || match cluster.exited() {
+                    Some((name, status)) => {
+                        anyhow::bail!("{name} {}", omni_telemetry::crash::describe(&status))
+                    }
+                    None => Ok(()),
+                },
             )?;
             let model = rt.block_on(served_model(&http, &base))?;
             rt.block_on(measure(&http, &base, &model, &a, Some(&info)))
@@ -206,7 +213,7 @@ async fn measure(
 
 /// Each stage's compute, send and input-wait time over the wall time
 /// between two Status snapshots.
-pub fn timeline(before: &[StatusReply], after: &[StatusReply]) -> Vec<(String, f64, f64, f64)> {
+fn timeline(before: &[StatusReply], after: &[StatusReply]) -> Vec<(String, f64, f64, f64)> {
     after
         .iter()
         .map(|a| {
@@ -300,14 +307,18 @@ async fn served_model(http: &reqwest::Client, base: &str) -> anyhow::Result<Stri
         .with_context(|| format!("no model in {base}/v1/models: {v}"))
 }
 
+/// Polls `url` until it answers 2xx, at most `timeout`; `alive` is asked
+/// between tries (a server that exited fails at once, with how it ended).
 fn wait_http(
     rt: &tokio::runtime::Runtime,
     http: &reqwest::Client,
     url: &str,
     timeout: Duration,
+    mut alive: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
+        alive()?;
         let ok = rt.block_on(async {
             http.get(url)
                 .timeout(Duration::from_secs(2))
@@ -357,20 +368,15 @@ impl LlamaServer {
         http: &reqwest::Client,
         base: &str,
     ) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(status) = self.0.try_wait()? {
-                anyhow::bail!("llama-server {}", omni_telemetry::crash::describe(&status));
+        let url = format!("{base}/health");
+        wait_http(rt, http, &url, Duration::from_secs(120), || {
+            match self.0.try_wait()? {
+                Some(status) => {
+                    anyhow::bail!("llama-server {}", omni_telemetry::crash::describe(&status))
+                }
+                None => Ok(()),
             }
-            if wait_http(rt, http, &format!("{base}/health"), Duration::ZERO).is_ok() {
-                return Ok(());
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "llama-server was not ready within 120 s"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        })
     }
 
     fn stop(mut self) {
