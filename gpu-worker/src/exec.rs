@@ -25,13 +25,8 @@ pub struct ExecStats {
     /// Compute time of the last step, in microseconds.
     pub last_step_us: AtomicU64,
     pub total_step_us: AtomicU64,
-    /// The stage thread's other time, in microseconds: sending results on
-    /// (a full ring or a slow gRPC stream shows here) and waiting for the
-    /// next frame (idle: the stages before it, or the coordinator, are the
-    /// slower part). With `total_step_us` and the wall clock they make the
-    /// stage's timeline; the rest is control work for moves.
-    pub send_us: AtomicU64,
-    pub input_wait_us: AtomicU64,
+    /// Where the stage thread's time goes (Status, metrics).
+    pub timeline: Timeline,
     pub kv_cells_used: AtomicU64,
     pub errors: AtomicU64,
     /// Time steps spent waiting for expert workers, in microseconds.
@@ -47,9 +42,61 @@ pub struct ExecStats {
     pub held_bytes: AtomicU64,
 }
 
-impl ExecStats {
-    fn add_time(&self, counter: &AtomicU64, d: Duration) {
-        counter.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+/// What the stage thread is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Waiting for the next frame (idle: the stages before it, or the
+    /// coordinator, are the slower part).
+    Waiting = 0,
+    /// Running a frame: the step's compute (and on the last stage sampling).
+    Computing = 1,
+    /// Sending the result on (a full ring or a slow gRPC stream shows here).
+    Sending = 2,
+    /// Control work for moves (not counted).
+    Control = 3,
+}
+
+/// The stage thread's time per [`Phase`], readable at any moment: the phase
+/// it is in counts up to the reading, so two readings a short while apart
+/// add up to the wall time between them (counting a phase only when it
+/// ends would put an idle stretch that began before the first reading
+/// after it).
+#[derive(Debug, Default)]
+pub struct Timeline {
+    us: [AtomicU64; 4],
+    /// The current phase in the top 8 bits, the microsecond (of [`now_us`])
+    /// it began in the rest; 0 before the thread starts.
+    current: AtomicU64,
+}
+
+/// Microseconds since the first call in this process.
+fn now_us() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    // +1 so that a phase entered at once is never the "not started" 0.
+    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64 + 1
+}
+
+impl Timeline {
+    /// The thread enters `phase` now; the one it leaves is counted.
+    pub fn enter(&self, phase: Phase) {
+        let now = now_us();
+        let was = self
+            .current
+            .swap(((phase as u64) << 56) | now, Ordering::Relaxed);
+        if was != 0 {
+            let (p, since) = ((was >> 56) as usize, was & ((1 << 56) - 1));
+            self.us[p].fetch_add(now.saturating_sub(since), Ordering::Relaxed);
+        }
+    }
+
+    /// Seconds spent in `phase` so far, the current stretch included.
+    pub fn seconds(&self, phase: Phase) -> f64 {
+        let cur = self.current.load(Ordering::Relaxed);
+        let mut us = self.us[phase as usize].load(Ordering::Relaxed);
+        if cur != 0 && (cur >> 56) as usize == phase as usize {
+            us += now_us().saturating_sub(cur & ((1 << 56) - 1));
+        }
+        us as f64 / 1e6
     }
 }
 
@@ -157,7 +204,9 @@ impl Exec {
                     stats,
                     fence: 0,
                 };
-                let mut idle_since = Instant::now();
+                let timeline = run.stats.clone();
+                let enter = |p| timeline.timeline.enter(p);
+                enter(Phase::Waiting);
                 while !s.load(Ordering::Relaxed) {
                     let frame = select! {
                         recv(inbox) -> f => match f {
@@ -166,21 +215,21 @@ impl Exec {
                         },
                         recv(control_rx) -> c => {
                             if let Ok(c) = c {
-                                run.stats.add_time(&run.stats.input_wait_us, idle_since.elapsed());
+                                enter(Phase::Control);
                                 c(&mut run);
-                                idle_since = Instant::now();
+                                enter(Phase::Waiting);
                             }
                             continue;
                         }
                         default(Duration::from_millis(100)) => continue,
                     };
-                    run.stats.add_time(&run.stats.input_wait_us, idle_since.elapsed());
+                    enter(Phase::Computing);
                     let out = run.frame(frame);
-                    let sending = Instant::now();
-                    idle_since = sending;
                     let Some(out) = out else {
+                        enter(Phase::Waiting);
                         continue;
                     };
+                    enter(Phase::Sending);
                     let index = run.index;
                     let mut guard = outbox.lock().unwrap();
                     match guard.as_mut() {
@@ -194,8 +243,7 @@ impl Exec {
                         ),
                     }
                     drop(guard);
-                    run.stats.add_time(&run.stats.send_us, sending.elapsed());
-                    idle_since = Instant::now();
+                    enter(Phase::Waiting);
                 }
             })
             .expect("spawning the stage thread");

@@ -10,7 +10,7 @@ pub mod exec;
 pub mod experts;
 pub mod inventory;
 
-use exec::{Exec, ExecStats};
+use exec::{Exec, ExecStats, Phase};
 use experts::RemoteExperts;
 use omni_engine::model::ModelFile;
 use omni_engine::stage::{HiddenDtype, LayerRange, Stage, StageConfig};
@@ -139,10 +139,6 @@ struct Worker {
     state: Mutex<State>,
     /// When the worker started: the wall clock of the stage timeline.
     started: std::time::Instant,
-}
-
-fn secs(us: &std::sync::atomic::AtomicU64) -> f64 {
-    us.load(Ordering::Relaxed) as f64 / 1e6
 }
 
 /// Runs the worker until the process is stopped.
@@ -481,9 +477,9 @@ impl worker_server::Worker for Svc {
             cpu_variant: w.inventory.cpu_variant.clone(),
             cpu_features: w.inventory.cpu_features.clone(),
             uptime_seconds: w.started.elapsed().as_secs_f64(),
-            compute_seconds: secs(&w.stats.total_step_us),
-            send_seconds: secs(&w.stats.send_us),
-            input_wait_seconds: secs(&w.stats.input_wait_us),
+            compute_seconds: w.stats.timeline.seconds(Phase::Computing),
+            send_seconds: w.stats.timeline.seconds(Phase::Sending),
+            input_wait_seconds: w.stats.timeline.seconds(Phase::Waiting),
         }))
     }
 }
@@ -664,12 +660,12 @@ impl Worker {
         r.register(
             "step_send_seconds",
             "Time the stage thread spent sending results on",
-            ConstCounter::new(get(&s.send_us) as f64 / 1e6),
+            ConstCounter::new(s.timeline.seconds(Phase::Sending)),
         );
         r.register(
             "input_wait_seconds",
             "Time the stage thread waited for the next frame (idle)",
-            ConstCounter::new(get(&s.input_wait_us) as f64 / 1e6),
+            ConstCounter::new(s.timeline.seconds(Phase::Waiting)),
         );
         r.register(
             "last_step_ms",
