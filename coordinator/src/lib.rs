@@ -180,7 +180,7 @@ pub(crate) struct Shared {
     pub registrations: mpsc::UnboundedSender<Registered>,
     /// Accepting registrations until the plan is made.
     pub registering: Mutex<bool>,
-    pub events: Mutex<Option<crossbeam_channel::Sender<Event>>>,
+    pub events: Mutex<Option<omni_transport::BellSender<Event>>>,
     pub info: Arc<Mutex<InfoReply>>,
     pub next_seq: std::sync::atomic::AtomicU64,
     pub metrics: Arc<Metrics>,
@@ -578,7 +578,10 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
             (n, why.unwrap_or_default())
         }
     };
-    let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
+    // The scheduler thread waits on the results ring itself; events ring
+    // the same doorbell.
+    let frames = inbox.lock().unwrap().reader();
+    let (ev_tx, ev_rx) = frames.bell().channel();
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
     let (recover_tx, recover_rx) = mpsc::unbounded_channel();
     let sched = Scheduler::new(
@@ -595,7 +598,6 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         metrics,
         Some(recover_tx),
     );
-    let frames = inbox.lock().unwrap().receiver().clone();
     std::thread::Builder::new()
         .name("scheduler".into())
         .spawn(move || sched.run(ev_rx, frames))?;
@@ -690,7 +692,7 @@ async fn worker_client(addr: &str) -> anyhow::Result<WorkerClient<tonic::transpo
 async fn watch_worker(
     w: Registered,
     interval: Duration,
-    events: crossbeam_channel::Sender<Event>,
+    events: omni_transport::BellSender<Event>,
     admin: Arc<admin::AdminState>,
     recovery: Arc<recover::Recovery>,
 ) {

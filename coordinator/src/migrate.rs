@@ -54,7 +54,7 @@ pub struct Setup {
     pub transport: TransportChoice,
     pub advertise: String,
     pub shm_dir: std::path::PathBuf,
-    pub events: crossbeam_channel::Sender<Event>,
+    pub events: omni_transport::BellSender<Event>,
     /// How long a pause may wait for the steps in flight.
     pub step_timeout: Duration,
     /// What every stage's Load carries besides its range (a recovery

@@ -106,7 +106,7 @@ pub async fn run(
     admin: Arc<AdminState>,
     recovery: Arc<Recovery>,
     info: Arc<Mutex<InfoReply>>,
-    events: crossbeam_channel::Sender<Event>,
+    events: omni_transport::BellSender<Event>,
     timeouts: Timeouts,
 ) {
     while let Some(mut need) = needs.recv().await {

@@ -31,12 +31,12 @@
 //! stage.
 
 use crate::metrics::Metrics;
-use crossbeam_channel::{select, Receiver};
+use crossbeam_channel::Receiver;
 use omni_engine::sampling::{SamplingParams, StopMatcher};
 use omni_engine::tokenizer::{StreamDecoder, Tokenizer};
 use omni_proto::coordinator::v1::{Done, FinishReason, GenerateEvent, Token};
 use omni_proto::worker::v1::{SeqStart, SlotRequest, Step, TopLogprob};
-use omni_transport::{Frame, Outbox};
+use omni_transport::{Frame, InboxReader, Next, Outbox};
 use prost::Message;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -245,25 +245,24 @@ impl Scheduler {
         }
     }
 
-    /// Runs until both channels close.
-    pub fn run(mut self, events: Receiver<Event>, frames: Receiver<Frame>) {
+    /// Runs until the events channel closes.
+    pub fn run(mut self, events: Receiver<Event>, frames: InboxReader) {
         let tick = Duration::from_millis(200);
         loop {
-            select! {
-                recv(events) -> ev => match ev {
-                    Ok(ev) => self.on_event(ev),
-                    Err(_) => return,
-                },
-                recv(frames) -> f => match f {
-                    Ok(f) => self.on_frame(f),
-                    Err(_) => return,
-                },
-                default(tick) => {}
+            // Frames first (they finish steps); events ring the inbox's
+            // doorbell, so one wait covers both.
+            match frames.next(tick, &mut || !events.is_empty()) {
+                Next::Frame(f) => self.on_frame(f),
+                Next::Woken | Next::TimedOut => {}
             }
             // Take whatever else is already waiting before building steps,
             // so a burst of requests shares the first step.
-            while let Ok(ev) = events.try_recv() {
-                self.on_event(ev);
+            loop {
+                match events.try_recv() {
+                    Ok(ev) => self.on_event(ev),
+                    Err(crossbeam_channel::TryRecvError::Empty) => break,
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                }
             }
             self.check_timeouts();
             self.schedule();

@@ -98,7 +98,7 @@ pub struct InferenceSvc(pub Arc<Shared>);
 pub struct CancelOnDrop {
     inner: UnboundedReceiverStream<Result<GenerateEvent, Status>>,
     id: u64,
-    events: crossbeam_channel::Sender<Event>,
+    events: omni_transport::BellSender<Event>,
 }
 
 impl tokio_stream::Stream for CancelOnDrop {

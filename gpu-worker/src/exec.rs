@@ -3,12 +3,11 @@
 //! the next stage (hidden state) or back to the coordinator (sampled tokens).
 
 use crate::experts::RemoteExperts;
-use crossbeam_channel::{select, Receiver, Sender};
 use omni_engine::kv::KvLayers;
 use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplerState, SamplingParams};
 use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
 use omni_proto::worker::v1::{ExpertUse, Sampled, StageTime, Step, TopLogprob};
-use omni_transport::{Frame, Outbox};
+use omni_transport::{BellSender, Frame, InboxReader, Next, Outbox};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -123,7 +122,7 @@ type Control = Box<dyn FnOnce(&mut StageRun) + Send>;
 
 pub struct Exec {
     stop: Arc<AtomicBool>,
-    control: Sender<Control>,
+    control: BellSender<Control>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -164,7 +163,7 @@ struct Previous {
 /// Where a stage's frames come from and go, and its expert workers (set
 /// by `Wire`, after the stage is loaded).
 pub struct Links {
-    pub inbox: Receiver<Frame>,
+    pub inbox: InboxReader,
     pub outbox: Arc<Mutex<Option<Outbox>>>,
     pub experts: Arc<Mutex<Option<RemoteExperts>>>,
 }
@@ -185,7 +184,7 @@ impl Exec {
         } = links;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
-        let (control, control_rx) = crossbeam_channel::unbounded::<Control>();
+        let (control, control_rx) = inbox.bell().channel::<Control>();
         stats
             .held_bytes
             .store(stage.held_bytes(), Ordering::Relaxed);
@@ -207,29 +206,36 @@ impl Exec {
                 let timeline = run.stats.clone();
                 let enter = |p| timeline.timeline.enter(p);
                 enter(Phase::Waiting);
+                // When the stage last finished a frame: a step's spans say
+                // how long it sat idle before that step's input came.
+                let mut idle_since = Instant::now();
                 while !s.load(Ordering::Relaxed) {
-                    let frame = select! {
-                        recv(inbox) -> f => match f {
-                            Ok(f) => f,
-                            Err(_) => return,
-                        },
-                        recv(control_rx) -> c => {
-                            if let Ok(c) = c {
+                    // The stage thread waits on the inbox's ring itself;
+                    // control calls ring the same doorbell.
+                    let frame = match inbox.next(Duration::from_millis(100), &mut || {
+                        !control_rx.is_empty()
+                    }) {
+                        Next::Frame(f) => f,
+                        Next::Woken => {
+                            while let Ok(c) = control_rx.try_recv() {
                                 enter(Phase::Control);
                                 c(&mut run);
                                 enter(Phase::Waiting);
                             }
                             continue;
                         }
-                        default(Duration::from_millis(100)) => continue,
+                        Next::TimedOut => continue,
                     };
                     enter(Phase::Computing);
-                    let out = run.frame(frame);
-                    let Some(out) = out else {
+                    let idle = idle_since.elapsed();
+                    let out = run.frame(frame, idle);
+                    let Some((out, spans)) = out else {
                         enter(Phase::Waiting);
+                        idle_since = Instant::now();
                         continue;
                     };
                     enter(Phase::Sending);
+                    let sending = Instant::now();
                     let index = run.index;
                     let mut guard = outbox.lock().unwrap();
                     match guard.as_mut() {
@@ -244,6 +250,11 @@ impl Exec {
                     }
                     drop(guard);
                     enter(Phase::Waiting);
+                    idle_since = Instant::now();
+                    let send_ms = (idle_since - sending).as_secs_f64() * 1e3;
+                    for span in &spans {
+                        span.record("send_ms", send_ms);
+                    }
                 }
             })
             .expect("spawning the stage thread");
@@ -555,7 +566,10 @@ impl StageRun {
 
     /// Runs one frame and returns the frame to send on. Errors travel in the
     /// step header so the coordinator learns of them; nothing is dropped.
-    fn frame(&mut self, frame: Frame) -> Option<Frame> {
+    /// Runs one frame; `idle` is how long the stage waited for it. Returns
+    /// the frame to send on and the traced requests' spans, which stay open
+    /// until it is sent.
+    fn frame(&mut self, frame: Frame, idle: Duration) -> Option<(Frame, Vec<tracing::Span>)> {
         let mut step = match Step::decode(frame.meta.as_slice()) {
             Ok(s) if s.id < self.fence => {
                 tracing::debug!(
@@ -570,8 +584,9 @@ impl StageRun {
                 ..Default::default()
             },
         };
+        let mut spans = Vec::new();
         let payload = if step.error.is_empty() {
-            match self.step(&mut step, &frame.payload) {
+            match self.step(&mut step, &frame.payload, idle, &mut spans) {
                 Ok(p) => p,
                 Err(e) => {
                     self.stats.errors.fetch_add(1, Ordering::Relaxed);
@@ -586,13 +601,23 @@ impl StageRun {
             self.stage.as_ref().map_or(0, |s| s.kv().used() as u64),
             Ordering::Relaxed,
         );
-        Some(Frame {
-            meta: step.encode_to_vec(),
-            payload,
-        })
+        Some((
+            Frame {
+                meta: step.encode_to_vec(),
+                payload,
+            },
+            spans,
+        ))
     }
 
-    fn step(&mut self, step: &mut Step, payload: &[u8]) -> Result<Vec<u8>, String> {
+    /// Runs a step; the traced requests' spans go into `spans`.
+    fn step(
+        &mut self,
+        step: &mut Step,
+        payload: &[u8],
+        idle: Duration,
+        spans: &mut Vec<tracing::Span>,
+    ) -> Result<Vec<u8>, String> {
         for r in &step.requests {
             self.slots.insert(
                 r.slot,
@@ -617,7 +642,7 @@ impl StageRun {
             requests = %carried.join(",")
         );
         let _enter = span.enter();
-        let _traced = self.request_spans(step);
+        *spans = self.request_spans(step, idle);
         let index = self.index;
         let stage = self.stage.as_mut().ok_or_else(|| {
             format!("a step reached stage {index}, which holds no layers (its worker was drained)")
@@ -708,8 +733,11 @@ impl StageRun {
     }
 
     /// One span per traced request in the step, each a child of that
-    /// request's trace; they end when the step does.
-    fn request_spans(&self, step: &Step) -> Vec<tracing::Span> {
+    /// request's trace; they end when the step's output is sent. Besides
+    /// the compute they cover, they say how long the stage sat idle before
+    /// the step's input came (`idle_before_ms`: a bubble when the pipeline
+    /// is busy) and how long the send took (`send_ms`, recorded after it).
+    fn request_spans(&self, step: &Step, idle: Duration) -> Vec<tracing::Span> {
         let mut tokens: Vec<(u32, usize)> = Vec::new();
         for &slot in &step.seqs {
             match tokens.iter_mut().find(|(s, _)| *s == slot) {
@@ -730,6 +758,8 @@ impl StageRun {
                     request = %info.request_id,
                     tokens = n,
                     batch_tokens = step.positions.len(),
+                    idle_before_ms = idle.as_secs_f64() * 1e3,
+                    send_ms = tracing::field::Empty,
                 );
                 trace.adopt(&span);
                 Some(span)

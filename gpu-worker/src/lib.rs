@@ -825,7 +825,7 @@ impl Worker {
             req.stage,
             dtype,
             exec::Links {
-                inbox: inbox.receiver().clone(),
+                inbox: inbox.reader(),
                 outbox: self.outbox.clone(),
                 experts: self.experts.clone(),
             },

@@ -144,6 +144,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
     }
 
     let hops = [
+        ("ring", ring_hop(2000, 4096)?),
         ("shm", raw_hop(TransportChoice::Shm, 2000, 4096)?),
         ("grpc", raw_hop(TransportChoice::Grpc, 2000, 4096)?),
     ];
@@ -208,16 +209,21 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "one hop alone (4 KiB frame, one per ms, Outbox::send to Inbox::recv on another thread):"
+        "one hop alone (4 KiB frame, one per ms, Outbox::send to InboxReader::recv on another thread; \
+         ring: the shared-memory ring by itself, the floor a hop over shm can reach):"
     );
+    let floor = hops[0].1 .0;
     for (t, (p50, p99)) in &hops {
-        println!("  {t:<5} p50 {p50:.1} µs, p99 {p99:.1} µs");
+        println!(
+            "  {t:<5} p50 {p50:.1} µs ({:.2}x the ring alone), p99 {p99:.1} µs",
+            p50 / floor
+        );
     }
     Ok(())
 }
 
 /// One-way latency of the real link code, from `Outbox::send` to the
-/// consuming thread's `Inbox::recv`, paced at one frame per millisecond so the
+/// consuming thread's `InboxReader::recv`, paced at one frame per millisecond so the
 /// receiver is idle between frames as a pipeline stage is.
 fn raw_hop(choice: TransportChoice, frames: usize, payload: usize) -> anyhow::Result<(f64, f64)> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -240,11 +246,11 @@ fn raw_hop(choice: TransportChoice, frames: usize, payload: usize) -> anyhow::Re
     let ep = inbox.endpoint(&addr, &omni_transport::host_id());
     let mut out = rt.block_on(Outbox::connect(&ep, choice))?;
     let base = Instant::now();
-    let rx = inbox.receiver().clone();
+    let rx = inbox.reader();
     let reader = std::thread::spawn(move || {
         let mut lat = Vec::with_capacity(frames);
         while lat.len() < frames {
-            let Ok(f) = rx.recv_timeout(Duration::from_secs(5)) else {
+            let Some(f) = rx.recv(Duration::from_secs(5)) else {
                 break;
             };
             let now = base.elapsed().as_nanos() as u64;
@@ -261,9 +267,50 @@ fn raw_hop(choice: TransportChoice, frames: usize, payload: usize) -> anyhow::Re
             payload: vec![0u8; payload],
         })?;
     }
-    let mut lat = reader
+    let lat = reader
         .join()
         .map_err(|_| anyhow::anyhow!("hop reader panicked"))?;
+    percentiles(lat, frames)
+}
+
+/// The same measurement on a bare ring (`RingSender::send` to
+/// `RingReceiver::recv`): what a hop costs without the inbox around it.
+fn ring_hop(frames: usize, payload: usize) -> anyhow::Result<(f64, f64)> {
+    use omni_transport::shm::{RingReceiver, RingSender};
+    let name = format!("omni-bench-ring-{}", std::process::id());
+    let dir = std::path::Path::new("/dev/shm");
+    let mut rx = RingReceiver::create(dir, &name, 1 << 20)?;
+    let mut tx = RingSender::open(rx.path(), rx.token())?;
+    let base = Instant::now();
+    let reader = std::thread::spawn(move || {
+        let mut lat = Vec::with_capacity(frames);
+        while lat.len() < frames {
+            let Ok(Some((meta, _))) = rx.recv(Duration::from_secs(5)) else {
+                break;
+            };
+            let now = base.elapsed().as_nanos() as u64;
+            let sent = u64::from_le_bytes(meta[..8].try_into().unwrap_or([0; 8]));
+            lat.push(now.saturating_sub(sent) as f64 / 1e3);
+        }
+        lat
+    });
+    for _ in 0..frames {
+        std::thread::sleep(Duration::from_millis(1));
+        let ts = base.elapsed().as_nanos() as u64;
+        tx.send(
+            &ts.to_le_bytes(),
+            &vec![0u8; payload],
+            Duration::from_secs(5),
+        )?;
+    }
+    let lat = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("ring reader panicked"))?;
+    percentiles(lat, frames)
+}
+
+/// p50 and p99 of `lat`, which must hold all `frames` samples.
+fn percentiles(mut lat: Vec<f64>, frames: usize) -> anyhow::Result<(f64, f64)> {
     anyhow::ensure!(
         lat.len() == frames,
         "only {} of {frames} frames arrived",

@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 struct Harness {
-    input: crossbeam_channel::Sender<Frame>,
+    /// Frames to the stage go through a real inbox's ring, as a worker's do.
+    input: Outbox,
+    _inbox: Inbox,
     output: Inbox,
     exec: Exec,
     model: Arc<omni_engine::ModelFile>,
@@ -62,13 +64,20 @@ impl Harness {
         let outbox = rt
             .block_on(Outbox::connect(&ep, TransportChoice::Shm))
             .unwrap();
-        let (input, rx) = crossbeam_channel::unbounded();
+        let mut inbox = Inbox::new();
+        inbox.add_ring(dir.path(), "switch-input", 1 << 20).unwrap();
+        let input = rt
+            .block_on(Outbox::connect(
+                &inbox.endpoint("127.0.0.1:1", "host"),
+                TransportChoice::Shm,
+            ))
+            .unwrap();
         let exec = Exec::start(
             stage,
             0,
             HiddenDtype::F32,
             Links {
-                inbox: rx,
+                inbox: inbox.reader(),
                 outbox: Arc::new(Mutex::new(Some(outbox))),
                 experts: Arc::new(Mutex::new(None)),
             },
@@ -77,6 +86,7 @@ impl Harness {
         );
         Harness {
             input,
+            _inbox: inbox,
             output,
             exec,
             model,
@@ -120,6 +130,7 @@ impl Harness {
             .unwrap();
         let f = self
             .output
+            .reader()
             .recv(Duration::from_secs(60))
             .expect("the stage answers");
         let out = Step::decode(f.meta.as_slice()).unwrap();

@@ -207,6 +207,16 @@ fn check_trace(spans: &[Span], client_parent: &str, workers: &[&str], tokens: us
                 "worker {w}'s span under the coordinator's:\n{}",
                 dump()
             );
+            // Where the stage's time around the step went: idle before its
+            // input came, and the send after it.
+            for a in ["idle_before_ms", "send_ms"] {
+                let v: f64 = s
+                    .attrs
+                    .get(a)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("worker {w}'s step span has no {a}:\n{}", dump()));
+                assert!(v >= 0.0, "{a} = {v}");
+            }
         }
     }
 }

@@ -10,4 +10,7 @@ pub mod registry;
 pub mod shm;
 
 pub use experts::{ExpertLink, ExpertLinkError};
-pub use link::{host_id, Frame, Inbox, LinkError, LinkStats, Outbox, TransportChoice};
+pub use link::{
+    host_id, Bell, BellSender, Frame, Inbox, InboxReader, LinkError, LinkStats, Next, Outbox,
+    TransportChoice,
+};

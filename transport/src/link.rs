@@ -8,13 +8,13 @@
 //! [`Endpoint`]: shared memory when the ring is reachable (same host, same
 //! `/dev/shm`, proven by the ring's token), gRPC otherwise.
 
-use crate::shm::{RingReceiver, RingSender, ShmError};
+use crate::shm::{LocalBell, Received, RingBell, RingReceiver, RingSender, ShmError};
 use crossbeam_channel::{Receiver, Sender};
 use omni_proto::worker::v1::{sink_client::SinkClient, sink_server, Endpoint, PushReply};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
 pub use omni_proto::worker::v1::Frame;
@@ -87,28 +87,124 @@ pub struct LinkStats {
     pub bytes_received: AtomicU64,
 }
 
-/// The receiving end: a channel fed by the ring reader thread and by the
-/// gRPC sink service.
+/// The receiving end: frames come through the shared-memory ring (when
+/// there is one) and through the gRPC sink, and one thread reads both with an
+/// [`InboxReader`]. That thread waits on the ring's doorbell itself: a frame
+/// over shared memory costs no extra thread, channel or wake-up between the
+/// ring and the stage. The gRPC sink and the reader's other event sources
+/// ([`Bell::channel`]) ring the same doorbell.
 pub struct Inbox {
-    tx: Sender<Frame>,
-    rx: Receiver<Frame>,
+    shared: Arc<Shared>,
     ring: Option<(PathBuf, u64)>,
-    stop: Arc<AtomicBool>,
-    reader: Option<std::thread::JoinHandle<()>>,
     pub stats: Arc<LinkStats>,
 }
+
+struct Shared {
+    /// Frames that came over gRPC.
+    tx: Sender<Frame>,
+    rx: Receiver<Frame>,
+    /// The ring; the reading thread holds the lock while it waits on it.
+    ring: Mutex<Option<RingReceiver>>,
+    /// Bumped before and after the ring is replaced (odd while it is), so
+    /// a reader waiting on the old ring lets go of the lock and one that
+    /// comes during the change waits for it to end.
+    ring_gen: AtomicU64,
+    /// The inbox was dropped: the sink refuses further frames.
+    closed: AtomicBool,
+    bell: Bell,
+    stats: Arc<LinkStats>,
+}
+
+/// Wakes the thread reading an [`Inbox`]: rings the ring's doorbell when
+/// there is a ring, else a doorbell inside this process.
+#[derive(Clone, Default)]
+pub struct Bell(Arc<BellInner>);
+
+#[derive(Default)]
+struct BellInner {
+    local: LocalBell,
+    ring: Mutex<Option<RingBell>>,
+}
+
+impl Bell {
+    /// Wakes the reader; make the reason visible first (a frame queued, a
+    /// message sent).
+    pub fn ring(&self) {
+        self.0.local.ring();
+        if let Some(r) = self.0.ring.lock().unwrap().as_ref() {
+            r.ring();
+        }
+    }
+
+    /// A channel whose sends wake the reader: for the reading thread's other
+    /// event sources, checked in [`InboxReader::next`]'s `woken`.
+    pub fn channel<T>(&self) -> (BellSender<T>, Receiver<T>) {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        (
+            BellSender {
+                tx,
+                bell: self.clone(),
+            },
+            rx,
+        )
+    }
+}
+
+/// The sending half of [`Bell::channel`].
+pub struct BellSender<T> {
+    tx: Sender<T>,
+    bell: Bell,
+}
+
+impl<T> Clone for BellSender<T> {
+    fn clone(&self) -> Self {
+        BellSender {
+            tx: self.tx.clone(),
+            bell: self.bell.clone(),
+        }
+    }
+}
+
+impl<T> BellSender<T> {
+    /// Sends and wakes the reader; fails (giving the message back) when the
+    /// receiving half is gone.
+    pub fn send(&self, msg: T) -> Result<(), crossbeam_channel::SendError<T>> {
+        self.tx.send(msg)?;
+        self.bell.ring();
+        Ok(())
+    }
+}
+
+/// What [`InboxReader::next`] found.
+pub enum Next {
+    Frame(Frame),
+    /// The reader's `woken` condition became true.
+    Woken,
+    TimedOut,
+}
+
+/// How long an inbox reader spins before it sleeps (as a ring's receiver).
+const READER_SPIN: Duration = crate::shm::DEFAULT_SPIN;
+/// How long a reader waits before it tries a ring that failed again.
+const RING_RETRY: Duration = Duration::from_millis(100);
 
 impl Inbox {
     /// An inbox reachable over gRPC (add a ring with [`Inbox::add_ring`]).
     pub fn new() -> Inbox {
         let (tx, rx) = crossbeam_channel::unbounded();
+        let stats = Arc::<LinkStats>::default();
         Inbox {
-            tx,
-            rx,
+            shared: Arc::new(Shared {
+                tx,
+                rx,
+                ring: Mutex::new(None),
+                ring_gen: AtomicU64::new(0),
+                closed: AtomicBool::new(false),
+                bell: Bell::default(),
+                stats: stats.clone(),
+            }),
             ring: None,
-            stop: Arc::new(AtomicBool::new(false)),
-            reader: None,
-            stats: Arc::default(),
+            stats,
         }
     }
 
@@ -116,27 +212,27 @@ impl Inbox {
     /// bytes next to gRPC. If it cannot be created (no /dev/shm, no room),
     /// the inbox keeps working over gRPC and the caller logs the error.
     pub fn add_ring(&mut self, dir: &Path, name: &str, capacity: usize) -> Result<(), ShmError> {
-        self.stop_ring();
+        self.set_ring(None);
         sweep_stale_rings(dir);
         let ring = RingReceiver::create(dir, name, capacity)?;
-        self.ring = Some((ring.path().to_path_buf(), ring.token()));
-        self.stop = Arc::new(AtomicBool::new(false));
-        let (tx, stop, stats) = (self.tx.clone(), self.stop.clone(), self.stats.clone());
-        self.reader = Some(
-            std::thread::Builder::new()
-                .name("shm-reader".into())
-                .spawn(move || read_ring(ring, tx, stop, stats))
-                .expect("spawning a thread"),
-        );
+        self.set_ring(Some(ring));
         Ok(())
     }
 
-    fn stop_ring(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-        self.ring = None;
+    /// Puts `ring` in place of the current one (dropping it, which unlinks
+    /// its file), taking the lock from a reader that may be waiting on it.
+    fn set_ring(&mut self, ring: Option<RingReceiver>) {
+        self.ring = ring.as_ref().map(|r| (r.path().to_path_buf(), r.token()));
+        let sh = &self.shared;
+        sh.ring_gen.fetch_add(1, Ordering::SeqCst);
+        sh.bell.ring();
+        let mut slot = sh.ring.lock().unwrap();
+        *sh.bell.0.ring.lock().unwrap() = ring.as_ref().map(RingReceiver::bell);
+        let old = std::mem::replace(&mut *slot, ring);
+        sh.ring_gen.fetch_add(1, Ordering::SeqCst);
+        drop(slot);
+        sh.bell.ring();
+        drop(old);
     }
 
     /// Where senders reach this inbox.
@@ -156,20 +252,23 @@ impl Inbox {
     /// The gRPC service that feeds this inbox.
     pub fn sink_service(&self) -> sink_server::SinkServer<GrpcSink> {
         sink_server::SinkServer::new(GrpcSink {
-            tx: self.tx.clone(),
-            stats: self.stats.clone(),
+            shared: self.shared.clone(),
         })
         .max_decoding_message_size(256 << 20)
     }
 
-    /// The next frame, or `None` after `timeout`.
-    pub fn recv(&self, timeout: Duration) -> Option<Frame> {
-        self.rx.recv_timeout(timeout).ok()
+    /// A reader of this inbox, for the one thread that consumes its frames
+    /// (a later reader takes over from an earlier one; two at once take
+    /// turns on the ring).
+    pub fn reader(&self) -> InboxReader {
+        InboxReader {
+            shared: self.shared.clone(),
+        }
     }
 
-    /// The channel itself, for `select!` with other event sources.
-    pub fn receiver(&self) -> &Receiver<Frame> {
-        &self.rx
+    /// The doorbell of this inbox's reader.
+    pub fn bell(&self) -> Bell {
+        self.shared.bell.clone()
     }
 }
 
@@ -181,34 +280,88 @@ impl Default for Inbox {
 
 impl Drop for Inbox {
     fn drop(&mut self) {
-        self.stop_ring();
+        self.shared.closed.store(true, Ordering::Relaxed);
+        self.set_ring(None);
     }
 }
 
-fn read_ring(
-    mut ring: RingReceiver,
-    tx: Sender<Frame>,
-    stop: Arc<AtomicBool>,
-    stats: Arc<LinkStats>,
-) {
-    while !stop.load(Ordering::Relaxed) {
-        match ring.recv(Duration::from_millis(100)) {
-            Ok(Some((meta, payload))) => {
-                stats.frames_received.fetch_add(1, Ordering::Relaxed);
-                stats
-                    .bytes_received
-                    .fetch_add((meta.len() + payload.len()) as u64, Ordering::Relaxed);
-                if tx.send(Frame { meta, payload }).is_err() {
-                    return;
-                }
+/// The consuming end of an [`Inbox`].
+pub struct InboxReader {
+    shared: Arc<Shared>,
+}
+
+impl InboxReader {
+    /// The next frame, or `None` after `timeout`.
+    pub fn recv(&self, timeout: Duration) -> Option<Frame> {
+        match self.next(timeout, &mut || false) {
+            Next::Frame(f) => Some(f),
+            Next::Woken | Next::TimedOut => None,
+        }
+    }
+
+    /// The doorbell that wakes this reader.
+    pub fn bell(&self) -> Bell {
+        self.shared.bell.clone()
+    }
+
+    /// The next frame, or [`Next::Woken`] as soon as `woken()` is true (the
+    /// thread's other work: whoever makes it true rings [`Self::bell`], as a
+    /// [`BellSender`] does), or [`Next::TimedOut`] after `timeout`. Frames
+    /// waiting in the inbox come first.
+    pub fn next(&self, timeout: Duration, woken: &mut dyn FnMut() -> bool) -> Next {
+        let sh = &*self.shared;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(f) = sh.rx.try_recv() {
+                return Next::Frame(f);
             }
-            Ok(None) => {}
-            // A sender went away; a new one may open the ring later (a
-            // re-plan), so keep reading until the inbox is dropped.
-            Err(ShmError::PeerClosed { .. }) => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => {
-                tracing::error!("shared-memory ring failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
+            if woken() {
+                return Next::Woken;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Next::TimedOut;
+            }
+            // The whole wait: frames over gRPC, a replaced ring and the
+            // caller's events all ring the doorbell.
+            let left = deadline - now;
+            let gen = sh.ring_gen.load(Ordering::SeqCst);
+            let mut other =
+                || !sh.rx.is_empty() || sh.ring_gen.load(Ordering::SeqCst) != gen || woken();
+            if gen % 2 == 1 {
+                // The ring is being replaced: wait for that to end.
+                sh.bell.0.local.wait(left, READER_SPIN, other);
+                continue;
+            }
+            let mut slot = sh.ring.lock().unwrap();
+            let Some(ring) = slot.as_mut() else {
+                drop(slot);
+                sh.bell.0.local.wait(left, READER_SPIN, other);
+                continue;
+            };
+            let (mut meta, mut payload) = (Vec::new(), Vec::new());
+            match ring.recv_unless(&mut meta, &mut payload, left, &mut other) {
+                Ok(Received::Frame) => {
+                    drop(slot);
+                    sh.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+                    sh.stats
+                        .bytes_received
+                        .fetch_add((meta.len() + payload.len()) as u64, Ordering::Relaxed);
+                    return Next::Frame(Frame { meta, payload });
+                }
+                Ok(Received::Woken | Received::TimedOut) => {}
+                // A sender went away; a new one may open a new ring later
+                // (a re-plan), and gRPC frames still come: wait on those.
+                Err(e) => {
+                    drop(slot);
+                    let pause = if matches!(e, ShmError::PeerClosed { .. }) {
+                        Duration::from_millis(5)
+                    } else {
+                        tracing::error!("shared-memory ring failed: {e}");
+                        RING_RETRY
+                    };
+                    sh.bell.0.local.wait(left.min(pause), Duration::ZERO, other);
+                }
             }
         }
     }
@@ -216,8 +369,7 @@ fn read_ring(
 
 /// `Sink.Push`: frames of one client stream go into the inbox in order.
 pub struct GrpcSink {
-    tx: Sender<Frame>,
-    stats: Arc<LinkStats>,
+    shared: Arc<Shared>,
 }
 
 #[tonic::async_trait]
@@ -229,14 +381,16 @@ impl sink_server::Sink for GrpcSink {
         let mut stream = request.into_inner();
         while let Some(frame) = stream.next().await {
             let frame = frame?;
-            self.stats.frames_received.fetch_add(1, Ordering::Relaxed);
-            self.stats.bytes_received.fetch_add(
+            let sh = &self.shared;
+            sh.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+            sh.stats.bytes_received.fetch_add(
                 (frame.meta.len() + frame.payload.len()) as u64,
                 Ordering::Relaxed,
             );
-            if self.tx.send(frame).is_err() {
+            if sh.closed.load(Ordering::Relaxed) || sh.tx.send(frame).is_err() {
                 return Err(tonic::Status::unavailable("receiver is shutting down"));
             }
+            sh.bell.ring();
         }
         Ok(tonic::Response::new(PushReply {}))
     }

@@ -20,7 +20,10 @@
 //! arrives within that during a busy decode loop) and then sleeps on a futex in
 //! the header. A side announces that it is about to sleep in a flag word; the
 //! other side issues `FUTEX_WAKE` only when it sees that flag, so a busy stream
-//! costs no system call per frame.
+//! costs no system call per frame. The receiving process can ring the same
+//! doorbell itself ([`RingBell`]), so the thread that reads the ring can also
+//! be woken for other work (frames that came over gRPC, control calls) without
+//! a second thread or a channel between the ring and it.
 
 use std::fs::{File, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
@@ -29,6 +32,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapMut, MmapOptions};
@@ -156,14 +160,15 @@ const OWNER_PIDNS_OFFSET: usize = 40;
 /// The mapping both ends share, plus the checks and copies they have in common.
 struct Ring {
     path: PathBuf,
-    /// Keeps the mapping alive; all access goes through `base`.
-    _map: MmapMut,
+    /// Keeps the mapping alive (shared with the ring's bells); all access
+    /// goes through `base`.
+    map: Arc<MmapMut>,
     base: NonNull<u8>,
     capacity: u64,
     spin: Duration,
 }
 
-// SAFETY: `base` points into `_map`, which the `Ring` owns and which stays
+// SAFETY: `base` points into `map`, which the `Ring` owns and which stays
 // mapped until the `Ring` drops; nothing about the pointer is tied to the
 // thread that created it. Shared-memory accesses are atomics or are ordered by
 // the index protocol, so moving the owner to another thread is sound.
@@ -180,7 +185,7 @@ impl Ring {
         };
         Ok(Ring {
             path,
-            _map: map,
+            map: Arc::new(map),
             base,
             capacity,
             spin: DEFAULT_SPIN,
@@ -365,6 +370,20 @@ impl RingReceiver {
         payload: &mut Vec<u8>,
         timeout: Duration,
     ) -> Result<bool, ShmError> {
+        Ok(self.recv_unless(meta, payload, timeout, &mut || false)? == Received::Frame)
+    }
+
+    /// Like [`recv_into`](Self::recv_into), but also returns as soon as
+    /// `woken()` is true. `woken` is checked before every sleep and after
+    /// every wake-up; whoever makes it true rings this ring's [`RingBell`],
+    /// so a sleeping receiver notices at once.
+    pub fn recv_unless(
+        &mut self,
+        meta: &mut Vec<u8>,
+        payload: &mut Vec<u8>,
+        timeout: Duration,
+        woken: &mut dyn FnMut() -> bool,
+    ) -> Result<Received, ShmError> {
         let mut deadline = None;
         loop {
             if self.write_seen == self.read {
@@ -374,7 +393,7 @@ impl RingReceiver {
             }
             if self.write_seen != self.read {
                 if self.take_one(meta, payload)? {
-                    return Ok(true);
+                    return Ok(Received::Frame);
                 }
                 continue; // a wrap marker; the frame follows at offset 0
             }
@@ -388,13 +407,21 @@ impl RingReceiver {
                 }
                 continue;
             }
+            if woken() {
+                return Ok(Received::Woken);
+            }
             let deadline = *deadline.get_or_insert_with(|| deadline_after(Instant::now(), timeout));
             let read = self.read;
             let ring = &self.ring;
+            let mut was_woken = false;
             let ready = |peer_may_be_dead: bool| {
                 if h.write.0.load(Ordering::Acquire) != read
                     || h.peers.0.writer_closed.load(Ordering::Acquire) != 0
                 {
+                    return Ok(true);
+                }
+                if woken() {
+                    was_woken = true;
                     return Ok(true);
                 }
                 if peer_may_be_dead && writer_died(h) {
@@ -413,8 +440,20 @@ impl RingReceiver {
                 deadline,
                 ready,
             )? {
-                return Ok(false);
+                return Ok(Received::TimedOut);
             }
+            if was_woken && h.write.0.load(Ordering::Acquire) == read {
+                return Ok(Received::Woken);
+            }
+        }
+    }
+
+    /// A handle that wakes this receiver from another thread of this
+    /// process; it keeps the mapping, not the file, alive.
+    pub fn bell(&self) -> RingBell {
+        RingBell {
+            _map: self.ring.map.clone(),
+            base: self.ring.base,
         }
     }
 
@@ -489,6 +528,76 @@ impl Drop for RingReceiver {
         futex_wake(&h.space_seq.0);
         // The sender keeps its mapping; only the name goes.
         let _ = std::fs::remove_file(&self.ring.path);
+    }
+}
+
+/// What [`RingReceiver::recv_unless`] returns when it returns without error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Received {
+    /// A frame is in the caller's buffers.
+    Frame,
+    /// `woken()` became true and no frame was waiting.
+    Woken,
+    /// Nothing within the timeout.
+    TimedOut,
+}
+
+/// Rings a ring's doorbell from inside the receiving process: a receiver
+/// asleep in [`RingReceiver::recv_unless`] wakes and checks its `woken`
+/// condition. Make the condition true first, then ring.
+#[derive(Clone)]
+pub struct RingBell {
+    _map: Arc<MmapMut>,
+    base: NonNull<u8>,
+}
+
+// SAFETY: `base` points into the mapping `_map` keeps alive; a bell touches
+// only the header's atomics, which any thread (or process) may use at once.
+unsafe impl Send for RingBell {}
+unsafe impl Sync for RingBell {}
+
+impl RingBell {
+    pub fn ring(&self) {
+        // SAFETY: as in `Ring::header`: the mapping starts with the header,
+        // is page-aligned and lives as long as `_map`.
+        let h = unsafe { &*(self.base.as_ptr() as *const Header) };
+        // Pairs with the fence in `wait_for`, as in `RingSender::publish`:
+        // either the receiver sees the caller's condition before it sleeps,
+        // or we see its waiting flag here.
+        fence(Ordering::SeqCst);
+        if h.reader_waiting.0.load(Ordering::Relaxed) != 0 {
+            h.data_seq.0.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&h.data_seq.0);
+        }
+    }
+}
+
+/// A doorbell inside one process, for a thread that waits on something other
+/// than a ring (the same spin-then-futex wait as a ring's receiver).
+#[derive(Default)]
+pub struct LocalBell {
+    seq: AtomicU32,
+    waiting: AtomicU32,
+}
+
+impl LocalBell {
+    /// Waits until `ready()` is true (returns true) or `timeout` passes
+    /// (returns false), spinning for `spin` first.
+    pub fn wait(&self, timeout: Duration, spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
+        let deadline = deadline_after(Instant::now(), timeout);
+        matches!(
+            wait_for(&self.seq, &self.waiting, spin, deadline, |_| Ok(ready())),
+            Ok(true)
+        )
+    }
+
+    /// Wakes a thread in [`LocalBell::wait`]; make its condition true first.
+    pub fn ring(&self) {
+        fence(Ordering::SeqCst);
+        if self.waiting.load(Ordering::Relaxed) != 0 {
+            self.seq.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&self.seq);
+        }
     }
 }
 
