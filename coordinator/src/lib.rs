@@ -100,6 +100,13 @@ pub struct CoordinatorConfig {
     /// Most tokens in one step.
     #[arg(long, env = "OMNI_UBATCH", default_value_t = 512)]
     pub ubatch: usize,
+    /// Most prompt tokens in a step that also carries other sequences'
+    /// decode tokens (0: up to `--ubatch`). A long prompt is then prefilled
+    /// in chunks between decode steps, so the streams already generating
+    /// are not held up for the whole prompt; with nothing decoding, prompts
+    /// take whole `--ubatch` steps.
+    #[arg(long, env = "OMNI_PREFILL_CHUNK", default_value_t = 256)]
+    pub prefill_chunk: usize,
     /// Memory left unplanned on every worker (fraction).
     #[arg(long, env = "OMNI_HEADROOM", default_value_t = 0.10)]
     pub headroom: f64,
@@ -589,6 +596,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
             n_ctx: cfg.ctx,
             n_seq: cfg.seqs,
             n_ubatch: cfg.ubatch,
+            prefill_chunk: cfg.prefill_chunk,
             n_groups,
             step_timeout: Duration::from_secs_f64(cfg.step_timeout),
             max_queue: cfg.max_queue,

@@ -37,6 +37,8 @@ pub struct Metrics {
     /// that called any.
     expert_waits: Samples,
     expert_wait_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
+    /// Prompt tokens of each step that also decoded (see `--prefill-chunk`).
+    pub mixed_step_prompt_tokens: Histogram,
 }
 
 /// The most recent `SAMPLES` values of something.
@@ -85,6 +87,7 @@ impl Metrics {
         let expert_wait_ms = Family::<StageLabel, Histogram>::new_with_constructor(
             ms_histogram as fn() -> Histogram,
         );
+        let mixed_step_prompt_tokens = Histogram::new(exponential_buckets(1.0, 2.0, 14));
         let mut r = Registry::with_prefix("omni_coordinator");
         r.register("steps", "Pipeline steps sent", steps.clone());
         r.register(
@@ -129,6 +132,11 @@ impl Metrics {
             stage_ms.clone(),
         );
         r.register(
+            "mixed_step_prompt_tokens",
+            "Prompt tokens in each step that carried both prompt and decode tokens (at most --prefill-chunk)",
+            mixed_step_prompt_tokens.clone(),
+        );
+        r.register(
             "stage_expert_wait_ms",
             "Time one step of each stage waited for expert workers, milliseconds",
             expert_wait_ms.clone(),
@@ -148,6 +156,7 @@ impl Metrics {
             hops: Samples::default(),
             expert_waits: Samples::default(),
             expert_wait_ms,
+            mixed_step_prompt_tokens,
         }
     }
 

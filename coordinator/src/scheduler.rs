@@ -121,6 +121,9 @@ pub struct SchedulerConfig {
     pub n_ctx: usize,
     pub n_seq: usize,
     pub n_ubatch: usize,
+    /// Most prompt tokens in a step that carries decode tokens (0: no
+    /// bound but `n_ubatch`).
+    pub prefill_chunk: usize,
     pub n_groups: usize,
     /// A step with no answer for this long means the pipeline is stuck.
     pub step_timeout: Duration,
@@ -605,9 +608,16 @@ impl Scheduler {
         };
         let mut owners = HashMap::new();
         let mut entries = Vec::new();
-        // Decode tokens first (one each), then prompt chunks.
+        // Decode tokens first (one each), then prompt chunks: bounded by
+        // `prefill_chunk` when the step decodes, so a long prompt does not
+        // hold the generating streams up for all of its tokens at once.
         let ids: Vec<u64> = self.order.clone();
+        let mut prompt_tokens = 0;
         for decode_pass in [true, false] {
+            let decoded = self.cfg.n_ubatch - budget;
+            if !decode_pass && decoded > 0 && self.cfg.prefill_chunk > 0 {
+                budget = budget.min(self.cfg.prefill_chunk);
+            }
             for id in &ids {
                 let s = self.seqs.get_mut(id).unwrap();
                 let remaining = s.tokens.len() - s.fed;
@@ -640,12 +650,20 @@ impl Scheduler {
                 }
                 s.fed += take;
                 budget -= take;
+                if !decode_pass {
+                    prompt_tokens += take;
+                }
                 owners.insert(s.slot, *id);
             }
         }
         if step.tokens.is_empty() {
             None
         } else {
+            if prompt_tokens > 0 && prompt_tokens < step.tokens.len() {
+                self.metrics
+                    .mixed_step_prompt_tokens
+                    .observe(prompt_tokens as f64);
+            }
             Some((
                 step,
                 Flight {

@@ -43,6 +43,9 @@ pub struct BenchServeArgs {
     /// Skip the seeds' chat benchmark (256 tokens, three prompts).
     #[arg(long)]
     pub no_chat: bool,
+    /// Skip the stall run (a long prompt arriving while a stream generates).
+    #[arg(long)]
+    pub no_stall: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -70,6 +73,7 @@ struct Row {
     one: f64,
     many: f64,
     chat: Option<f64>,
+    stall: Option<Stall>,
     /// Per stage: (worker, compute, send, input wait), fractions of the wall
     /// time of the N-stream runs.
     timeline: Vec<(String, f64, f64, f64)>,
@@ -104,12 +108,13 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
             rt.block_on(measure(&http, &base, "auto", &a, None))
         })();
         server.stop();
-        let (one, many, chat, _) = result.context("benchmark 'llama-server'")?;
+        let (one, many, chat, stall, _) = result.context("benchmark 'llama-server'")?;
         rows.push(Row {
             name: format!("llama-server -np {} -t {threads}", a.streams),
             one,
             many,
             chat,
+            stall,
             timeline: Vec::new(),
         });
     }
@@ -147,21 +152,30 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
             rt.block_on(measure(&http, &base, &model, &a, Some(&info)))
         })();
         cluster.stop();
-        let (one, many, chat, timeline) = result.with_context(|| format!("benchmark '{name}'"))?;
+        let (one, many, chat, stall, timeline) =
+            result.with_context(|| format!("benchmark '{name}'"))?;
         rows.push(Row {
             name,
             one,
             many,
             chat,
+            stall,
             timeline,
         });
     }
     print(&a, &path, threads, &rows)
 }
 
-type Measured = (f64, f64, Option<f64>, Vec<(String, f64, f64, f64)>);
+type Measured = (
+    f64,
+    f64,
+    Option<f64>,
+    Option<Stall>,
+    Vec<(String, f64, f64, f64)>,
+);
 
-/// One stream, N streams (with the stages' timeline), the chat benchmark.
+/// One stream, N streams (with the stages' timeline), the chat benchmark,
+/// the stall run.
 async fn measure(
     http: &reqwest::Client,
     base: &str,
@@ -207,8 +221,107 @@ async fn measure(
         }
         Some(rates.iter().sum::<f64>() / rates.len() as f64)
     };
+    let stall = if a.no_stall {
+        None
+    } else {
+        let mut runs = Vec::new();
+        for round in 0..a.rounds {
+            runs.push(stall(http, base, model, round).await?);
+        }
+        // The round whose stream was held up least.
+        runs.into_iter()
+            .min_by(|x, y| x.longest_ms.total_cmp(&y.longest_ms))
+    };
     let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    Ok((best(&one), best(&many), chat, timeline))
+    Ok((best(&one), best(&many), chat, stall, timeline))
+}
+
+/// How a generating stream fares when a long prompt comes in beside it.
+struct Stall {
+    /// Median gap between the stream's tokens before the prompt came.
+    typical_ms: f64,
+    /// Longest gap between its tokens while the prompt was being served.
+    longest_ms: f64,
+    /// The long prompt's tokens and its request's time (its prefill and
+    /// one token).
+    prompt_tokens: usize,
+    prompt_ms: f64,
+}
+
+/// Tokens the stream has before the long prompt is sent, and in all.
+const STALL_BEFORE: usize = 16;
+const STALL_TOKENS: usize = 160;
+
+/// The stall run: a streamed completion (greedy, `ignore_eos`); after its
+/// first tokens, a prompt of about 1,000 tokens with `max_tokens` 1. A
+/// server that prefills the whole prompt in one go stops the stream for
+/// that long; one that prefills it in chunks between decode steps slows it
+/// a little for longer.
+async fn stall(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    round: usize,
+) -> anyhow::Result<Stall> {
+    // A different first word each round: a server that keeps prompts
+    // (llama-server's slots do) must not find this one cached.
+    let long = format!("Round {round}. {}", CHAT_PROMPTS.join(" ").repeat(40));
+    let mut r = http
+        .post(format!("{base}/v1/completions"))
+        .json(&serde_json::json!({
+            "model": model, "prompt": PROMPTS[0], "max_tokens": STALL_TOKENS,
+            "temperature": 0, "ignore_eos": true, "stream": true,
+        }))
+        .send()
+        .await?;
+    anyhow::ensure!(r.status().is_success(), "HTTP {}", r.status());
+    let (mut times, mut buf) = (Vec::new(), String::new());
+    let mut late = None;
+    while let Some(chunk) = r.chunk().await? {
+        let now = Instant::now();
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            if event.starts_with("data: {") && event.contains("\"text\"") {
+                times.push(now);
+            }
+        }
+        if times.len() == STALL_BEFORE && late.is_none() {
+            let req = http
+                .post(format!("{base}/v1/completions"))
+                .json(&serde_json::json!({
+                    "model": model, "prompt": long, "max_tokens": 1, "temperature": 0,
+                }));
+            late = Some(tokio::spawn(async move {
+                let t = Instant::now();
+                let r = req.send().await?;
+                let status = r.status();
+                let body: serde_json::Value = r.json().await?;
+                anyhow::ensure!(status.is_success(), "HTTP {status}: {body}");
+                let n = body["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+                Ok((t, Instant::now(), n))
+            }));
+        }
+    }
+    let late = late.context("the stream ended before the long prompt was sent")?;
+    let (start, end, prompt_tokens) = late.await??;
+    let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+    let mut before: Vec<f64> = times[1..STALL_BEFORE]
+        .windows(2)
+        .map(|w| ms(w[0], w[1]))
+        .collect();
+    before.sort_by(f64::total_cmp);
+    let longest = times
+        .windows(2)
+        .filter(|w| w[1] > start && w[0] < end)
+        .map(|w| ms(w[0], w[1]))
+        .fold(0.0, f64::max);
+    Ok(Stall {
+        typical_ms: before[before.len() / 2],
+        longest_ms: longest,
+        prompt_tokens,
+        prompt_ms: ms(start, end),
+    })
 }
 
 /// Each stage's compute, send and input-wait time over the wall time
@@ -406,6 +519,10 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
                     "chat_vs_llama_server": ratio(r.chat, reference.and_then(|x| x.chat)),
                     "one_stream_vs_one_stage": ratio(Some(r.one), one_stage.map(|x| x.one)),
                     "streams_vs_one_stage": ratio(Some(r.many), one_stage.map(|x| x.many)),
+                    "stall": r.stall.as_ref().map(|s| serde_json::json!({
+                        "typical_gap_ms": s.typical_ms, "longest_gap_ms": s.longest_ms,
+                        "prompt_tokens": s.prompt_tokens, "prompt_ms": s.prompt_ms,
+                    })),
                     "stages": r.timeline.iter().map(|(w, c, s, i)| serde_json::json!({
                         "worker": w, "compute": c, "send": s, "input_wait": i,
                     })).collect::<Vec<_>>(),
@@ -455,6 +572,25 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
             r.chat.map_or("-".into(), |c| format!("{c:.1}")),
             x(ratio(r.chat, reference.and_then(|x| x.chat))),
         );
+    }
+    if rows.iter().any(|r| r.stall.is_some()) {
+        println!(
+            "a generating stream while a long prompt comes in (gaps between its tokens; the prompt's request time):"
+        );
+        let longest = |r: &Row| r.stall.as_ref().map(|s| s.longest_ms);
+        for r in rows {
+            if let Some(s) = &r.stall {
+                println!(
+                    "  {:<24} typical {:>6.1} ms, longest {:>7.1} ms ({} vs llama-server); {} prompt tokens in {:.0} ms",
+                    r.name,
+                    s.typical_ms,
+                    s.longest_ms,
+                    x(ratio(longest(r), reference.and_then(longest))),
+                    s.prompt_tokens,
+                    s.prompt_ms
+                );
+            }
+        }
     }
     println!("where each stage's time went while {n} streams ran (of wall time):");
     for r in rows.iter().filter(|r| !r.timeline.is_empty()) {

@@ -512,6 +512,67 @@ fn long_prompt_is_prefilled_in_chunks() {
     assert_eq!(ids(&ev), want, "{} prompt tokens in chunks of 16", p.len());
 }
 
+/// A long prompt that arrives while another stream generates is prefilled
+/// in `--prefill-chunk` pieces between that stream's decode steps, not in
+/// steps of a whole micro-batch that would hold the stream up; both
+/// requests get all their tokens.
+#[test]
+fn a_long_prompt_is_prefilled_between_a_running_streams_decode_steps() {
+    use tokio_stream::StreamExt;
+    const CHUNK: usize = 16;
+    let short = short_prompts("real_gemma3_270m.json", 1).remove(0);
+    // About 150 tokens of real text: the fixture's prompts one after another.
+    let long: Vec<u32> = short_prompts("real_gemma3_270m.json", 20)
+        .concat()
+        .into_iter()
+        .take(150)
+        .collect();
+    assert!(long.len() > 6 * CHUNK, "{} tokens", long.len());
+    let _g = serial();
+    let cm = format!("127.0.0.1:{}", omni_tests::free_port());
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.coordinator_args = vec![
+        "--prefill-chunk".into(),
+        CHUNK.to_string(),
+        "--metrics-listen".into(),
+        cm.clone(),
+    ];
+    let c = Cluster::start(&model(GEMMA), &spec);
+    let (mut a, mut b) = (c.client().unwrap(), c.client().unwrap());
+    let (running, arriving) = c.rt.block_on(async {
+        let mut stream = a.generate(greedy(&short, 64)).await.unwrap().into_inner();
+        let first = stream.next().await.unwrap().unwrap();
+        // The first stream decodes now; the long prompt comes in.
+        let late = tokio::spawn(async move { omni_tests::collect(&mut b, greedy(&long, 4)).await });
+        let mut n = first.tokens.len();
+        while let Some(ev) = stream.next().await {
+            n += ev.unwrap().tokens.len();
+        }
+        (n, late.await.unwrap().unwrap())
+    });
+    assert_eq!(running, 64, "{}", c.logs());
+    let late: usize = arriving.iter().map(|e| e.tokens.len()).sum();
+    assert_eq!(late, 4, "{}", c.logs());
+    let m = http_get(&cm, "/metrics");
+    let metric = |name: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+    };
+    let mixed = metric("omni_coordinator_mixed_step_prompt_tokens_count");
+    let within = metric(&format!(
+        "omni_coordinator_mixed_step_prompt_tokens_bucket{{le=\"{CHUNK}.0\"}}"
+    ));
+    assert!(
+        mixed >= 6.0,
+        "the long prompt rode along with decode steps in {mixed} steps\n{m}"
+    );
+    assert_eq!(
+        within, mixed,
+        "every step that decoded carried at most {CHUNK} prompt tokens\n{m}"
+    );
+}
+
 /// The synthetic mixture-of-experts models (qwen3moe, and deepseek2 in both
 /// GGUF layouts), split across two workers over each transport, give
 /// llama.cpp's greedy tokens from their own fixture (every prompt, all 32
