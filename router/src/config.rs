@@ -58,6 +58,8 @@ pub struct RouterSettings {
     pub models: Vec<ModelEntry>,
     /// Rules for the model name `auto`, tried in order: `CONDITION=MODEL`
     /// with conditions `prompt_chars>N`, `keyword:WORD` or `default`.
+    /// `auto` is always served: without a `default` rule, requests no rule
+    /// matches go to the first model.
     pub auto: Vec<String>,
     /// Keys clients must send as `Authorization: Bearer KEY`; none: open.
     pub api_keys: Vec<String>,
@@ -129,7 +131,8 @@ pub struct RouterConfig {
     #[arg(long = "upstream-key", env = env::UPSTREAM_KEYS, value_delimiter = ';')]
     pub upstream_keys: Vec<String>,
     /// Rules for the model name `auto`, tried in order:
-    /// `prompt_chars>2000=big;keyword:code=qwen;default=gemma`.
+    /// `prompt_chars>2000=big;keyword:code=qwen;default=gemma`. Without a
+    /// default rule, `auto` falls back to the first model.
     #[arg(long, env = env::AUTO)]
     pub auto: Option<String>,
     /// API keys clients must send as `Authorization: Bearer KEY`

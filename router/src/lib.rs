@@ -52,7 +52,21 @@ pub async fn run(cfg: RouterSettings) -> anyhow::Result<()> {
             target,
         });
     }
-    let auto = cfg.auto_rules()?;
+    // `auto` is always served (clients such as the seeds' LangGraph router
+    // send it): the auto rules, then the first model when none matches.
+    use crate::backends::Rule;
+    let mut auto = cfg.auto_rules()?;
+    if !auto.iter().any(|(r, _)| *r == Rule::Default) {
+        if let Some(first) = backends.first() {
+            auto.push((Rule::Default, first.name.clone()));
+        }
+    }
+    if let Some((_, fallback)) = auto.iter().find(|(r, _)| *r == Rule::Default) {
+        tracing::info!(
+            "model 'auto': {} rule(s), then {fallback}",
+            auto.iter().take_while(|(r, _)| *r != Rule::Default).count()
+        );
+    }
     let state = Arc::new(server::AppState::new(
         backends,
         auto,

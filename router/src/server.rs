@@ -137,7 +137,7 @@ impl AppState {
 
     /// The backend for `model`; `auto` goes by the rules on `prompt`.
     fn backend(&self, model: &str, prompt: &str) -> Result<&Backend, ApiError> {
-        let model = if model == "auto" && !self.auto.is_empty() {
+        let model = if model == "auto" {
             crate::backends::pick(&self.auto, prompt).unwrap_or(model)
         } else {
             model
@@ -397,6 +397,7 @@ trait Api: serde::de::DeserializeOwned + Send + 'static {
     const PATH: &'static str;
     type Stream: Send + 'static;
     fn model(&self) -> &str;
+    fn model_mut(&mut self) -> &mut String;
     /// The text `auto` rules look at.
     fn prompt_text(&self) -> String;
     fn generate_request(&self) -> Result<GenerateRequest, ApiError>;
@@ -417,6 +418,9 @@ impl Api for ChatCompletionRequest {
     type Stream = ChatStream;
     fn model(&self) -> &str {
         &self.model
+    }
+    fn model_mut(&mut self) -> &mut String {
+        &mut self.model
     }
     fn prompt_text(&self) -> String {
         self.prompt_text()
@@ -468,6 +472,9 @@ impl Api for CompletionRequest {
     type Stream = CompletionStream;
     fn model(&self) -> &str {
         &self.model
+    }
+    fn model_mut(&mut self) -> &mut String {
+        &mut self.model
     }
     fn prompt_text(&self) -> String {
         self.prompt_text()
@@ -542,9 +549,13 @@ async fn serve_request<R: Api>(
     span: &tracing::Span,
 ) -> Result<Response, ApiError> {
     let (body, permit) = admit(state, req).await?;
-    let r: R = parse_json(&body)?;
+    let mut r: R = parse_json(&body)?;
     span.record("model", r.model());
     let backend = state.backend(r.model(), &r.prompt_text())?.clone();
+    if r.model() == "auto" {
+        // Answers name the model that served them, as OpenAI's do.
+        *r.model_mut() = backend.name.clone();
+    }
     let traceparent = omni_telemetry::traceparent(span);
     let (client, addr) = match &backend.target {
         Target::Cluster { client, addr } => (client.clone(), addr.clone()),

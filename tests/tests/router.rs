@@ -93,7 +93,7 @@ fn openai_api_end_to_end() {
         .iter()
         .map(|m| m["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, ["gemma3-270m", "gemma"]);
+    assert_eq!(ids, ["gemma3-270m", "gemma", "auto"]);
 
     // Completions, greedy: the engine's text.
     let req = json!({"model": "gemma", "prompt": prompt, "max_tokens": 12, "temperature": 0});
@@ -103,6 +103,13 @@ fn openai_api_end_to_end() {
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["choices"][0]["text"], want.as_str());
     assert_eq!(v["usage"]["completion_tokens"], 12);
+    // `auto` (what the seeds' clients send) without rules: the served model.
+    let req = json!({"model": "auto", "prompt": prompt, "max_tokens": 12, "temperature": 0});
+    let (st, body) = post(a, "/v1/completions", &req);
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(v["model"], "gemma3-270m", "the model that answered");
 
     // The same, streamed with usage: the deltas add up to the same text,
     // every chunk has one id, usage comes last, then [DONE].
