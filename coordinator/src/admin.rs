@@ -245,6 +245,7 @@ impl admin_server::Admin for AdminSvc {
                 device: inv.device.clone(),
                 device_name: inv.device_name.clone(),
                 cpu_variant: inv.cpu_variant.clone(),
+                weight_read_rate: inv.weight_read_rate,
                 cpu_features: inv.cpu_features.clone(),
                 gpu: inv
                     .gpu

@@ -391,11 +391,26 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     expert_workers.sort_by(|a, b| a.id.cmp(&b.id));
 
     // 2. Plan, before anything is loaded.
+    let sites: Vec<pipeline::Site> = workers.iter().map(pipeline::Site::of).collect();
+    let rates = pipeline::site_rates(
+        &sites,
+        &workers
+            .iter()
+            .map(|w| w.inventory.weight_read_rate)
+            .collect::<Vec<_>>(),
+    );
+    let rate_of = |id: &str| {
+        workers
+            .iter()
+            .position(|w| w.id == id)
+            .map_or(0, |i| rates[i] as u64)
+    };
     let spec = |w: &Registered| WorkerSpec {
         id: w.id.clone(),
         device: w.inventory.device.clone(),
         free_bytes: w.inventory.memory_free,
         total_bytes: w.inventory.memory_total,
+        read_rate: rate_of(&w.id),
     };
     let specs: Vec<WorkerSpec> = workers.iter().map(spec).collect();
     let expert_specs: Vec<WorkerSpec> = expert_workers.iter().map(spec).collect();
@@ -563,15 +578,6 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     tracing::info!("steps go to stage 0 over {}", outbox.kind());
 
     // 4. Serve.
-    let sites: Vec<pipeline::Site> = workers
-        .iter()
-        .map(|w| pipeline::Site {
-            worker: w.id.clone(),
-            host_id: w.inventory.host_id.clone(),
-            device: w.inventory.device.clone(),
-            cpus: w.inventory.cpus.clone(),
-        })
-        .collect();
     let (n_groups, pipeline_note) = match cfg.micro_batches {
         Some(n) => (
             n.max(1),

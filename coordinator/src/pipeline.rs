@@ -24,6 +24,15 @@ pub struct Site {
 }
 
 impl Site {
+    pub fn of(w: &crate::Registered) -> Site {
+        Site {
+            worker: w.id.clone(),
+            host_id: w.inventory.host_id.clone(),
+            device: w.inventory.device.clone(),
+            cpus: w.inventory.cpus.clone(),
+        }
+    }
+
     /// Whether two stages compete for the same compute: the same GPU, or
     /// overlapping CPUs of one host (a GPU stage's few CPU ops aside).
     fn shares_with(&self, other: &Site) -> bool {
@@ -68,6 +77,21 @@ pub fn sites(stages: &[Site]) -> Vec<Vec<usize>> {
                 of_root[r] = Some(out.len());
                 out.push(vec![i]);
             }
+        }
+    }
+    out
+}
+
+/// Each stage's weight read rate as the planner takes it: stages of one site
+/// take turns, each with all of its compute, so they share one figure, the
+/// best any of them measured (workers started together time their reads at
+/// the same moment and slow each other down).
+pub fn site_rates(stages: &[Site], rates: &[f64]) -> Vec<f64> {
+    let mut out = rates.to_vec();
+    for site in sites(stages) {
+        let best = site.iter().map(|&i| rates[i]).fold(0.0, f64::max);
+        for i in site {
+            out[i] = best;
         }
     }
     out
@@ -164,5 +188,8 @@ mod tests {
         let why = why.unwrap();
         assert!(why.contains("g0, g2 share one GPU (cuda:0)"), "{why}");
         assert!(why.contains("w1, w4 share the same CPUs"), "{why}");
+        // Stages of one site share the best rate any of them measured.
+        let rates = site_rates(&stages, &[900.0, 30.0, 800.0, 20.0, 40.0]);
+        assert_eq!(rates, [900.0, 40.0, 900.0, 20.0, 40.0]);
     }
 }

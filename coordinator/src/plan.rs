@@ -40,6 +40,11 @@ pub struct WorkerSpec {
     /// Memory the worker offers for its stage.
     pub free_bytes: u64,
     pub total_bytes: u64,
+    /// Bytes per second a stage on this worker reads weights at in a decode
+    /// step, as the worker measured it at start; 0 when unknown. Workers
+    /// that take turns on the same compute report one figure.
+    #[serde(default)]
+    pub read_rate: u64,
 }
 
 /// Where the routed experts of MoE layers (`ffn_{gate,up,down}_exps`) run.
@@ -531,6 +536,8 @@ struct Costs<'a> {
     /// does not count against the GPU's memory; a head tied to the
     /// embedding has its own copy on the GPU, which does.
     gpu: Vec<bool>,
+    /// Per worker: its measured read rate (bytes/s), when every worker has one.
+    rate: Option<Vec<f64>>,
 }
 
 /// Whether a worker's device is a GPU (`cuda:N`, or `cuda` in a dry run).
@@ -590,6 +597,10 @@ impl<'a> Costs<'a> {
             both_bytes: model.range_weight_bytes(&range(true, n..n, true)),
             kv_per_layer: cfg.kv().bytes(hp, 1),
             gpu: workers.iter().map(|w| is_gpu(&w.device)).collect(),
+            rate: workers
+                .iter()
+                .all(|w| w.read_rate > 0)
+                .then(|| workers.iter().map(|w| w.read_rate as f64).collect()),
         }
     }
 
@@ -647,6 +658,18 @@ impl<'a> Costs<'a> {
     fn work(&self, i: usize, w: usize, a: u32, b: u32) -> u64 {
         let head = if i + 1 == w { self.head_bytes } else { 0 };
         self.work_prefix[b as usize] - self.work_prefix[a as usize] + head
+    }
+
+    /// What the split balances for stage `i` of `w` running `a..b`: the
+    /// seconds its weight reads take per decoded token at its worker's
+    /// measured rate, or the bytes themselves when a rate is unknown (then
+    /// the workers count as equally fast).
+    fn time(&self, i: usize, w: usize, a: u32, b: u32) -> f64 {
+        let bytes = self.work(i, w, a, b) as f64;
+        match &self.rate {
+            Some(rate) => bytes / rate[i],
+            None => bytes,
+        }
     }
 
     fn total(&self, i: usize, w: usize, a: u32, b: u32) -> u64 {
@@ -810,10 +833,14 @@ fn build(
         .iter()
         .all(|wk| is_gpu(&wk.device) == is_gpu(&workers[0].device));
     let (counts, how) = match &cfg.split {
-        // Workers of one kind (all CPUs or all GPUs) and every expert with
-        // its layer: balanced by the work each stage does per token, within
-        // memory, so that the slowest stage is as fast as it can be.
-        None if one_kind && mode == Offload::None && workers.len() > 1 => {
+        // Every expert with its layer, and workers whose speed is known
+        // (measured) or alike (one kind: all CPUs or all GPUs): balanced by
+        // the time each stage takes per token, within memory, so that the
+        // slowest stage is as fast as it can be.
+        None if (one_kind || costs.rate.is_some())
+            && mode == Offload::None
+            && workers.len() > 1 =>
+        {
             match work_split(&costs, &budgets, n_layer) {
                 Some(c) => {
                     auto = AutoSplit::Work;
@@ -1183,15 +1210,21 @@ fn auto_split(costs: &Costs<'_>, budgets: &[u64], n_layer: u32) -> Vec<u32> {
 }
 
 /// The split that makes the slowest stage as fast as it can be: contiguous
-/// counts minimising the largest [`Costs::work`] among the splits where
+/// counts minimising the largest [`Costs::time`] among the splits where
 /// every stage fits its budget (then, among those, the sum of squares of
-/// the work, so the other stages are even too). None when no split fits.
+/// the times, so the other stages are even too). None when no split fits.
+///
+/// Stages that take turns on one host's cores or one GPU add up rather than
+/// overlap; the search still treats each stage as its own (a contiguous
+/// search cannot group them), which is exact when the turn-takers are all
+/// the stages (any split then takes the same time, and this one evens
+/// them) or none of them.
 fn work_split(costs: &Costs<'_>, budgets: &[u64], n_layer: u32) -> Option<Vec<u32>> {
     let w = budgets.len();
     let r = |i: usize, a: usize, b: usize| {
         let (a, b) = (a as u32, b as u32);
         if costs.total(i, w, a, b) <= budgets[i] {
-            costs.work(i, w, a, b) as f64
+            costs.time(i, w, a, b)
         } else {
             f64::INFINITY
         }
@@ -1307,12 +1340,31 @@ fn work_note(model: &ModelFile, costs: &Costs<'_>, stages: &[StagePlan]) -> Stri
         .enumerate()
         .map(|(i, w)| format!("stage {i} {:.0}%", 100.0 * *w as f64 / total as f64))
         .collect();
-    format!(
+    let mut note = format!(
         "work: a decoded token reads about {} of weights ({}; the head, {}, is the last stage's; the embedding is a row lookup); stages on the same cores take turns, so this is how a step's time divides; on devices of their own the busiest stage sets the pace",
         fmt_bytes(total),
         shares.join(", "),
         fmt_bytes(costs.head_bytes)
-    )
+    );
+    if let Some(rate) = &costs.rate {
+        let times: Vec<String> = work
+            .iter()
+            .zip(rate)
+            .enumerate()
+            .map(|(i, (w, r))| {
+                format!(
+                    "stage {i} {:.2} ms at {:.1} GB/s",
+                    *w as f64 / r * 1e3,
+                    r / 1e9
+                )
+            })
+            .collect();
+        note.push_str(&format!(
+            "; at the workers' read rates (each stage worker times a one-token quantized matrix-vector product on its device when it starts; workers taking turns on the same cores or GPU count once, at the best of their figures; a dry run takes them as NAME:SIZE@RATE), those reads take {}",
+            times.join(", ")
+        ));
+    }
+    note
 }
 
 fn notes(
@@ -1390,8 +1442,13 @@ fn notes(
     notes.push(match &cfg.split {
         None if stages.len() == 1 => format!("split: one worker runs the whole model{worst}"),
         None if auto == AutoSplit::Work => format!(
-            "split: automatic, layers {}: the slowest stage as fast as it can be, from the weight bytes each stage reads per decoded token (see work), with every stage within its budget (workers of one kind count as equally fast; --split or --layers set it by hand){worst}",
-            join(counts)
+            "split: automatic, layers {}: the slowest stage as fast as it can be, from the weight bytes each stage reads per decoded token (see work){}, with every stage within its budget (--split or --layers set it by hand){worst}",
+            join(counts),
+            if costs.rate.is_some() {
+                " over the rate its worker reads weights at"
+            } else {
+                "; the workers' speeds are not known, so workers of one kind count as equally fast"
+            }
         ),
         None if auto == AutoSplit::Packed => format!(
             "split: automatic, layers {}: layers in proportion to the budgets did not fit, so contiguous ranges minimising the largest total/budget, then evening out the rest{worst}",

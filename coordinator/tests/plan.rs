@@ -35,6 +35,7 @@ fn specs(prefix: &str, device: impl Fn(usize) -> String, free: &[u64]) -> Vec<Wo
             device: device(i),
             free_bytes: f,
             total_bytes: f + GIB,
+            read_rate: 0,
         })
         .collect()
 }
@@ -179,6 +180,93 @@ fn the_automatic_split_makes_the_slowest_stage_as_fast_as_it_can_be() {
             let p = plan(&m, &workers(&[4 * GIB, 4 * GIB]), &cfg(None)).unwrap();
             assert_eq!(counts(&p), [n - 1, 1], "{p}");
         }
+    }
+}
+
+/// With the rate each worker measured for its weight reads, the automatic
+/// split makes the slowest stage's time per token (its weight reads over
+/// its worker's rate) the least of every split that fits: a worker three
+/// times as fast gets more layers, a GPU beside a CPU takes all the layers
+/// it has room for, and the notes give each stage's time.
+#[test]
+fn measured_read_rates_balance_time_across_unequal_workers() {
+    let rated = |devices: &[&str], free: &[u64], rates: &[u64]| -> Vec<WorkerSpec> {
+        let mut ws = specs("w", |i| devices[i].to_string(), free);
+        for (w, &r) in ws.iter_mut().zip(rates) {
+            w.read_rate = r;
+        }
+        ws
+    };
+    const GB: u64 = 1_000_000_000;
+    for file in [GEMMA, QWEN] {
+        let m = model(file);
+        let n = m.hparams.n_layer;
+        for (devices, free, rates) in [
+            (["cpu", "cpu"], [4 * GIB, 4 * GIB], [10 * GB, 30 * GB]),
+            (["cpu", "cpu"], [4 * GIB, 4 * GIB], [30 * GB, 10 * GB]),
+            (["cuda:0", "cpu"], [4 * GIB, 4 * GIB], [900 * GB, 40 * GB]),
+            (["cpu", "cuda:0"], [4 * GIB, 4 * GIB], [40 * GB, 900 * GB]),
+            // The fast GPU is small: it takes what fits, the CPU the rest.
+            (["cuda:0", "cpu"], [400 * MIB, 4 * GIB], [900 * GB, 40 * GB]),
+        ] {
+            let ws = rated(&devices, &free, &rates);
+            let time = |p: &Plan| {
+                work_per_token(&m, p)
+                    .iter()
+                    .zip(&rates)
+                    .map(|(&w, &r)| w as f64 / r as f64)
+                    .fold(0.0, f64::max)
+            };
+            let what = format!("{file} {devices:?} {free:?} {rates:?}");
+            let auto = plan(&m, &ws, &cfg(None)).unwrap_or_else(|e| panic!("{what}: {e}"));
+            if !devices.iter().any(|d| d.starts_with("cuda")) {
+                // (A GPU stage's bytes are checked in gpu_stages_count_the_embedding_where_it_lives.)
+                check_plan(&m, &ws, &cfg(None), &auto);
+            }
+            let mut best = f64::INFINITY;
+            for a in 1..n {
+                if let Ok(p) = plan(&m, &ws, &cfg(Some(Split::Layers(vec![a, n - a])))) {
+                    best = best.min(time(&p));
+                }
+            }
+            assert_eq!(time(&auto), best, "{what}\n{auto}");
+            assert!(
+                auto.notes
+                    .iter()
+                    .any(|n| n.contains("over the rate its worker reads weights at")),
+                "{what}: {:?}",
+                auto.notes
+            );
+            assert!(
+                auto.notes
+                    .iter()
+                    .any(|n| n.contains("stage 1 ") && n.contains("GB/s")),
+                "{what}: {:?}",
+                auto.notes
+            );
+        }
+        // The faster of two CPU workers gets more layers than it does when
+        // their speeds are unknown (and count as equal).
+        let equal = plan(&m, &workers(&[4 * GIB, 4 * GIB]), &cfg(None)).unwrap();
+        let fast_first = rated(&["cpu", "cpu"], &[4 * GIB, 4 * GIB], &[30 * GB, 10 * GB]);
+        let p = plan(&m, &fast_first, &cfg(None)).unwrap();
+        assert!(counts(&p)[0] >= counts(&equal)[0], "{file}\n{p}\n{equal}");
+        let fast_last = rated(&["cpu", "cpu"], &[4 * GIB, 4 * GIB], &[10 * GB, 30 * GB]);
+        let p = plan(&m, &fast_last, &cfg(None)).unwrap();
+        assert!(counts(&p)[1] > counts(&equal)[1], "{file}\n{p}\n{equal}");
+        // A roomy GPU twenty times the CPU's speed leaves the CPU one layer.
+        let gpu = rated(
+            &["cuda:0", "cpu"],
+            &[4 * GIB, 4 * GIB],
+            &[900 * GB, 40 * GB],
+        );
+        let p = plan(&m, &gpu, &cfg(None)).unwrap();
+        assert!(counts(&p)[0] >= n - 2, "{file}\n{p}");
+        // One worker without a figure: the rates are not used.
+        let mut partial = gpu.clone();
+        partial[1].read_rate = 0;
+        let p = plan(&m, &partial, &cfg(None)).unwrap();
+        assert!(p.notes.iter().all(|n| !n.contains("GB/s")), "{file}\n{p}");
     }
 }
 

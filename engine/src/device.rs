@@ -67,6 +67,34 @@ pub fn gpu_props(index: u32) -> Result<crate::ffi::device::GpuProps, crate::Engi
         .map_err(crate::EngineError::Gpu)
 }
 
+/// How fast a stage on `device` reads its weights in a decode step, in
+/// bytes per second: a one-token Q4_K matrix-vector product timed at start
+/// (128 MiB on the CPU, past its caches; 1 GiB on a GPU, where a smaller
+/// one is mostly launch overhead; never more than `max_bytes`) with
+/// `n_threads` CPU threads. Q4_K stands for the quantized weights this
+/// project's models are made of; the planner only compares these figures
+/// with each other.
+#[cfg(feature = "ggml")]
+pub fn weight_read_rate(
+    device: Device,
+    n_threads: usize,
+    max_bytes: u64,
+) -> Result<f64, crate::EngineError> {
+    use crate::ffi::ggml;
+    let q4_k = crate::gguf::GgmlType::Q4_K.id();
+    let budget = std::time::Duration::from_millis(100);
+    let size = |want: u64| want.min(max_bytes) as usize;
+    match device {
+        Device::Cpu => ggml::weight_read_rate(None, n_threads, q4_k, size(128 << 20), budget)
+            .map_err(crate::EngineError::CpuBackend),
+        Device::Cuda(i) => {
+            let gpu = crate::ffi::device::cuda_device(i).map_err(crate::EngineError::Gpu)?;
+            ggml::weight_read_rate(Some(gpu), n_threads, q4_k, size(1 << 30), budget)
+                .map_err(crate::EngineError::Gpu)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Device;

@@ -49,7 +49,7 @@ pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
 pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput};
 #[cfg(feature = "ggml")]
 pub use tokenizer::{StreamDecoder, Tokenizer};
-pub use units::{fmt_bytes, parse_size};
+pub use units::{fmt_bytes, parse_rate, parse_size};
 
 #[cfg(feature = "ggml")]
 pub use ffi::cpu_variant::{Candidate as CpuVariant, CpuBackendInfo};

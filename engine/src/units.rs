@@ -32,6 +32,45 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// Parses a rate in bytes per second, as bandwidth is written ("40GB/s",
+/// "900 GB/s", "1.5TB/s", "25GiB/s"): KB, MB, GB and TB are decimal here
+/// (1 GB/s = 10^9 bytes/s, as `omnictl workers` prints rates); KiB, MiB,
+/// GiB and TiB binary.
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let per_s = t
+        .strip_suffix("/s")
+        .ok_or_else(|| format!("'{s}' is not a rate: expected bytes per second, like 40GB/s"))?;
+    let split = per_s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(per_s.len());
+    let (num, unit) = per_s.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a rate: expected bytes per second, like 40GB/s"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => (1u64 << 30) as f64,
+        "tib" => (1u64 << 40) as f64,
+        other => {
+            return Err(format!(
+                "'{s}': unknown unit '{other}' (use B/s, MB/s, GB/s, TB/s or GiB/s)"
+            ))
+        }
+    };
+    let rate = value * mult;
+    if !rate.is_finite() || rate < 1.0 || rate > u64::MAX as f64 {
+        return Err(format!("'{s}' is out of range"));
+    }
+    Ok(rate as u64)
+}
+
 /// "41.2 GiB", "512.0 MiB", "12.0 KiB", "100 B".
 pub fn fmt_bytes(b: u64) -> String {
     const UNITS: [(&str, u64); 4] = [
@@ -65,5 +104,17 @@ mod tests {
             .contains("unknown unit"));
         assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
         assert_eq!(fmt_bytes(100), "100 B");
+        assert_eq!(parse_rate("40GB/s").unwrap(), 40_000_000_000);
+        assert_eq!(parse_rate("1.5 TB/s").unwrap(), 1_500_000_000_000);
+        assert_eq!(parse_rate("2GiB/s").unwrap(), 2 << 30);
+        for (bad, says) in [
+            ("40GB", "bytes per second"),
+            ("fast/s", "not a rate"),
+            ("0GB/s", "out of range"),
+            ("4 parsecs/s", "unknown unit"),
+        ] {
+            let e = parse_rate(bad).unwrap_err();
+            assert!(e.contains(bad) && e.contains(says), "{bad}: {e}");
+        }
     }
 }

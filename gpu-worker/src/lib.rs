@@ -151,6 +151,24 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let mut inventory = inventory::read(&cfg.device, cfg.memory, cfg.reserve())?;
     inventory.cpu_variant = cpu.variant.clone();
     inventory.cpu_features = cpu.features.clone();
+    let threads = cfg.threads.unwrap_or(inventory.cpu_cores as usize);
+    let device: omni_engine::Device = inventory.device.parse().map_err(anyhow::Error::msg)?;
+    // How fast this device reads weights, for the planner to balance time:
+    // with a quarter of the free memory at most, and not fatal (a worker
+    // without a figure still serves; the planner then counts workers of
+    // one kind as equally fast).
+    let t = std::time::Instant::now();
+    match omni_engine::device::weight_read_rate(device, threads, inventory.memory_free / 4) {
+        Ok(rate) => {
+            inventory.weight_read_rate = rate;
+            tracing::info!(
+                "{device} reads quantized weights at {:.1} GB/s in a decode step ({threads} threads; timed in {:.2} s)",
+                rate / 1e9,
+                t.elapsed().as_secs_f64()
+            );
+        }
+        Err(e) => tracing::warn!("could not time {device}'s weight reads ({e}); the planner will not know this worker's speed"),
+    }
     for g in inventory::gpus() {
         tracing::info!("visible GPU: {g}");
     }

@@ -236,6 +236,7 @@ fn worker_json(w: &WorkerInfo) -> serde_json::Value {
         "last_step_ms": w.last_step_ms, "health": w.health,
         "memory_used": w.memory_used, "drained": w.drained,
         "layer_start": w.layer_start, "layer_end": w.layer_end,
+        "weight_read_rate": w.weight_read_rate,
     })
 }
 
@@ -243,11 +244,12 @@ fn worker_json(w: &WorkerInfo) -> serde_json::Value {
 pub fn workers_table(ws: &[WorkerInfo]) -> String {
     use omni_engine::fmt_bytes;
     let mut out = format!(
-        "{:<6} {:<8} {:<6} {:<10} {:<14} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
+        "{:<6} {:<8} {:<6} {:<10} {:>10} {:<14} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
         "worker",
         "kind",
         "stage",
         "device",
+        "reads",
         "cpu variant",
         "total",
         "free",
@@ -282,12 +284,18 @@ pub fn workers_table(ws: &[WorkerInfo]) -> String {
         } else {
             "-".into()
         };
+        let reads = if w.weight_read_rate > 0.0 {
+            format!("{:.1}GB/s", w.weight_read_rate / 1e9)
+        } else {
+            "-".into()
+        };
         out.push_str(&format!(
-            "{:<6} {:<8} {:<6} {:<10} {:<14} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
+            "{:<6} {:<8} {:<6} {:<10} {:>10} {:<14} {:>10} {:>10} {:>10}  {:<24} {:<10} {:>11} {:>9}  {}\n",
             w.id,
             w.kind,
             stage,
             w.device,
+            reads,
             if w.cpu_variant.is_empty() {
                 "-"
             } else {

@@ -20,6 +20,9 @@ pub struct PlanArgs {
     /// The devices in pipeline order, each NAME:SIZE with the memory it offers
     /// (e.g. cpu:6GiB,cpu:2GiB or cuda:0:20GiB,cuda:1:8GiB). They become
     /// workers w0, w1, ...; the name is everything before the last ':'.
+    /// NAME:SIZE@RATE adds how fast the device reads weights (e.g.
+    /// cuda:0:24GiB@900GB/s,cpu:96GiB@40GB/s, as `omnictl workers` shows a
+    /// worker's): with a rate for every device the split balances time.
     #[arg(long, value_delimiter = ',', required_unless_present_any = ["coordinator", "admin"])]
     pub devices: Vec<String>,
     /// Show the plan of the cluster this coordinator runs, with each
@@ -89,16 +92,26 @@ fn parse_workers(devices: &[String], prefix: &str) -> anyhow::Result<Vec<WorkerS
         .iter()
         .enumerate()
         .map(|(i, d)| {
-            let (name, size) = d
+            let (d_mem, rate) = match d.split_once('@') {
+                Some((m, r)) => (m, Some(r)),
+                None => (d.as_str(), None),
+            };
+            let (name, size) = d_mem
                 .rsplit_once(':')
                 .filter(|(n, _)| !n.is_empty())
                 .with_context(|| format!("device '{d}' needs a name and a size, like cpu:6GiB"))?;
             let bytes = parse_size(size).map_err(|e| anyhow::anyhow!("device '{d}': {e}"))?;
+            let read_rate = match rate {
+                None => 0,
+                Some(r) => omni_engine::parse_rate(r)
+                    .map_err(|e| anyhow::anyhow!("device '{d}': after @, {e}"))?,
+            };
             Ok(WorkerSpec {
                 id: format!("{prefix}{i}"),
                 device: name.to_string(),
                 free_bytes: bytes,
                 total_bytes: bytes,
+                read_rate,
             })
         })
         .collect()
@@ -248,6 +261,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("':1GiB'"), "{e}");
+
+        // A read rate after @, in bytes per second.
+        let ws =
+            parse_devices(&["cuda:0:24GiB@900GB/s".into(), "cpu:96GiB@40GiB/s".into()]).unwrap();
+        assert_eq!(ws[0].device, "cuda:0");
+        assert_eq!(ws[0].free_bytes, 24 << 30);
+        assert_eq!(ws[0].read_rate, 900_000_000_000);
+        assert_eq!(ws[1].read_rate, 40 << 30);
+        assert_eq!(parse_devices(&["cpu:6GiB".into()]).unwrap()[0].read_rate, 0);
+        for (bad, says) in [
+            ("cpu:6GiB@40GB", "bytes per second"),
+            ("cpu:6GiB@fast/s", "not a rate"),
+            ("cpu:6GiB@0GB/s", "out of range"),
+        ] {
+            let e = parse_devices(&[bad.into()]).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[derive(clap::Parser)]

@@ -177,6 +177,22 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
         plan, info.plan,
         "the running plan, as the coordinator made it"
     );
+    // The stage workers timed their weight reads when they started (the
+    // expert worker does not); the plan gives each stage's time at those rates.
+    for w in &ws[..2] {
+        assert!(w["weight_read_rate"].as_f64().unwrap() > 1e8, "{w}");
+    }
+    assert_eq!(ws[2]["weight_read_rate"].as_f64(), Some(0.0), "{}", ws[2]);
+    assert!(
+        plan.contains("at the workers' read rates")
+            && plan.contains("stage 1 ")
+            && plan.contains("GB/s"),
+        "{plan}"
+    );
+    assert!(
+        table.lines().filter(|l| l.contains("GB/s")).count() == 2,
+        "{table}"
+    );
 
     // A dry run of another split: its own arithmetic, nothing moves.
     let (ok, dry, err) = omnictl(&c, Some(TOKEN), &["plan", "--layers", "1,3", "--json"]);

@@ -342,6 +342,7 @@ fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
             device: "cpu".into(),
             free_bytes: bytes,
             total_bytes: bytes,
+            read_rate: 0,
         };
         let roomy = [spec("w0", 1 << 40), spec("w1", 1 << 40)];
         let whole = plan_with_experts(&model, &roomy, &[], &cfg).unwrap();

@@ -1145,3 +1145,63 @@ pub fn matmul_check(
     y.read_f32(&mut out);
     Ok((out, reference))
 }
+
+/// How fast a stage on this device reads its weights in a decode step: the
+/// bytes per second of `y = W x` for one token with `W` (`bytes` of `ty`)
+/// where a stage keeps its weights (the GPU's memory, or the CPU's repacked
+/// layout), computed by [`Executor`] with `n_threads` CPU threads. A decode
+/// step multiplies every weight by one row per sequence, so this rate is
+/// what sets a stage's pace; the planner divides each stage's per-token
+/// weight bytes by it. The median of the runs that fit in `budget` (at
+/// least 5, after one to warm up). The weights are zeros: the kernels do the
+/// same work whatever the values.
+pub fn weight_read_rate(
+    gpu: Option<super::device::GpuDevice>,
+    n_threads: usize,
+    ty: RawType,
+    bytes: usize,
+    budget: std::time::Duration,
+) -> Result<f64, String> {
+    use std::time::Instant;
+    let mut exec = Executor::new(gpu, n_threads)?;
+    let k: i64 = 4096;
+    // Rows in eights: the CPU's repacked kernels take them in blocks of 8.
+    let rows = ((bytes / row_size(ty, k)).max(8) / 8 * 8) as i64;
+    let mut store = TensorStore::new(1);
+    let wi = store.add(ty, &[k, rows], "calibration.weight");
+    let buft = if exec.on_gpu() {
+        exec.buffer_type()
+    } else {
+        cpu_extra_buffer_types()?
+            .into_iter()
+            .find(|b| buft_supports_mul_mat(*b, store.get(wi)))
+            .unwrap_or(exec.buffer_type())
+    };
+    let w_bytes = store.get(wi).nbytes();
+    let buf = Buffer::alloc_ctx(store.ctx(), buft)
+        .ok_or_else(|| format!("no memory for {w_bytes} bytes of calibration weights"))?;
+    buf.clear(0);
+    let ctx = Ctx::new(8, true);
+    let x = ctx.input(TYPE_F32, &[k, 1], "calibration.x");
+    let y = ctx.mul_mat(store.get(wi), x);
+    let mut graph = ctx.new_graph();
+    graph.expand(y);
+    let input = vec![0.5f32; k as usize];
+    let mut run = || -> Result<f64, String> {
+        exec.alloc(&graph)?;
+        x.write(&input);
+        let t = Instant::now();
+        exec.compute(&graph)?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    run()?;
+    let start = Instant::now();
+    let mut times = Vec::new();
+    while times.len() < 5 || (start.elapsed() < budget && times.len() < 200) {
+        times.push(run()?);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2].max(1e-9);
+    drop(buf);
+    Ok(w_bytes as f64 / median)
+}
