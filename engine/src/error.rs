@@ -36,6 +36,9 @@ pub enum EngineError {
     BadHidden(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// An invalid grammar or schema, or a constraint that failed.
+    #[error("{0}")]
+    Constraint(String),
     #[error(transparent)]
     Chat(#[from] crate::chat::ChatError),
     #[error(transparent)]

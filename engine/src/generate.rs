@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::constraint::{Grammar, Grammars};
 use crate::error::EngineError;
 use crate::model::ModelFile;
 use crate::sampling::{top_logprobs, Sampler, SamplingParams, StopMatcher};
@@ -23,6 +24,9 @@ pub struct Engine {
     pub hidden_dtype: HiddenDtype,
     /// Bytes of hidden state moved between stages so far.
     pub hidden_bytes_moved: u64,
+    /// The vocabulary as the grammar engine sees it, built at the first
+    /// constrained request.
+    grammars: Option<Grammars>,
 }
 
 impl Engine {
@@ -83,6 +87,7 @@ impl Engine {
             stages,
             hidden_dtype: HiddenDtype::F32,
             hidden_bytes_moved: 0,
+            grammars: None,
         })
     }
 
@@ -191,6 +196,15 @@ impl Engine {
                 n_ctx: self.n_ctx(),
             });
         }
+        let mut constraint = match &opts.grammar {
+            Some(g) => {
+                if self.grammars.is_none() {
+                    self.grammars = Some(Grammars::new(&self.tokenizer)?);
+                }
+                Some(self.grammars.as_ref().expect("built above").compile(g)?)
+            }
+            None => None,
+        };
         let seq = 0;
         self.remove_seq(seq);
         let mut sampler = Sampler::new(opts.sampling.clone());
@@ -208,7 +222,15 @@ impl Engine {
         let t1 = Instant::now();
         gen.finish_reason = FinishReason::Length;
         for i in 0..opts.max_tokens {
-            let id = sampler.sample(&logits, &history);
+            let id = match &mut constraint {
+                Some(c) => {
+                    c.mask(&mut logits)?;
+                    let id = sampler.sample(&logits, &history);
+                    c.accept(id)?;
+                    id
+                }
+                None => sampler.sample(&logits, &history),
+            };
             // A full-vocabulary softmax per step: only when asked for.
             let (logprob, top) = if opts.top_logprobs > 0 {
                 (
@@ -265,6 +287,9 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// How many alternatives to report per token (0: none).
     pub top_logprobs: usize,
+    /// Only tokens that keep the output a prefix of a document this grammar
+    /// accepts are sampled.
+    pub grammar: Option<Grammar>,
 }
 
 impl Default for GenerateOptions {
@@ -275,6 +300,7 @@ impl Default for GenerateOptions {
             stop_at_eog: true,
             stop: Vec::new(),
             top_logprobs: 0,
+            grammar: None,
         }
     }
 }

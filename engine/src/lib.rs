@@ -19,6 +19,8 @@ pub mod units;
 // The rest links ggml (the `ggml` feature, on by default): without it the crate is only
 // the modules above, which the fuzz targets (`fuzz/`) build without building llama.cpp.
 #[cfg(feature = "ggml")]
+pub mod constraint;
+#[cfg(feature = "ggml")]
 pub mod experts;
 #[cfg(feature = "ggml")]
 mod ffi;

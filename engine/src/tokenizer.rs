@@ -54,6 +54,11 @@ impl Tokenizer {
         self.vocab.piece(t, true)
     }
 
+    /// The bytes of a token as text; empty for control tokens (`<|im_end|>`).
+    pub fn plain_piece(&self, t: u32) -> Vec<u8> {
+        self.vocab.piece(t, false)
+    }
+
     /// Text of a whole sequence (lossy only if the ids themselves end mid-character).
     pub fn decode(&self, ids: &[u32]) -> String {
         let bytes: Vec<u8> = ids.iter().flat_map(|&t| self.piece(t)).collect();

@@ -74,6 +74,38 @@ pub struct GenerateArgs {
     /// Print a JSON report: prompt ids, generated ids, text, timings.
     #[arg(long)]
     pub json: bool,
+    /// Constrain the output to JSON valid against this JSON schema (the
+    /// schema's text, or @FILE). Local runs only.
+    #[arg(long, conflicts_with_all = ["coordinator", "grammar", "json_object"])]
+    pub json_schema: Option<String>,
+    /// Constrain the output to a JSON object. Local runs only.
+    #[arg(long, conflicts_with_all = ["coordinator", "grammar"])]
+    pub json_object: bool,
+    /// Constrain the output to a grammar in llguidance's Lark syntax (e.g.
+    /// 'start: "yes" | "no"'; the text, or @FILE). Local runs only.
+    #[arg(long, conflicts_with = "coordinator")]
+    pub grammar: Option<String>,
+}
+
+/// The constraint the flags ask for, if any.
+fn grammar(a: &GenerateArgs) -> anyhow::Result<Option<omni_engine::constraint::Grammar>> {
+    use omni_engine::constraint::Grammar;
+    let text = |v: &str| -> anyhow::Result<String> {
+        match v.strip_prefix('@') {
+            Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {path}")),
+            None => Ok(v.to_string()),
+        }
+    };
+    Ok(if let Some(s) = &a.json_schema {
+        let schema = serde_json::from_str(&text(s)?).context("--json-schema is not JSON")?;
+        Some(Grammar::JsonSchema { schema })
+    } else if a.json_object {
+        Some(Grammar::JsonObject)
+    } else if let Some(g) = &a.grammar {
+        Some(Grammar::Lark { grammar: text(g)? })
+    } else {
+        None
+    })
 }
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
@@ -149,6 +181,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         stop_at_eog: !a.ignore_eos,
         stop: a.stop.clone(),
         top_logprobs: a.top_logprobs,
+        grammar: grammar(&a)?,
     };
     let json = a.json;
     let mut stdout = std::io::stdout();
