@@ -56,9 +56,9 @@ impl Grammar {
 
     fn top_level(&self) -> Result<TopLevelGrammar, ConstraintError> {
         match self {
-            Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(
+            Grammar::JsonObject => Ok(TopLevelGrammar::from_json_schema(bounded_whitespace(
                 serde_json::json!({"type": "object"}),
-            )),
+            ))),
             Grammar::JsonSchema { schema } => {
                 if !(schema.is_object() || schema.is_boolean()) {
                     return Err(ConstraintError::Invalid {
@@ -66,10 +66,31 @@ impl Grammar {
                         why: format!("a schema is a JSON object, not {schema}"),
                     });
                 }
-                Ok(TopLevelGrammar::from_json_schema(schema.clone()))
+                Ok(TopLevelGrammar::from_json_schema(bounded_whitespace(
+                    schema.clone(),
+                )))
             }
             Grammar::Lark { grammar } => Ok(TopLevelGrammar::from_lark(grammar.clone())),
         }
+    }
+}
+
+/// Whitespace between two JSON tokens: spaces, or one line break and an
+/// indentation (24 spaces or tabs at most), unless the schema says otherwise in
+/// llguidance's own `x-guidance` options. llguidance's default allows any
+/// run of it, and a model that would rather not go on fills the answer with
+/// blank lines to the token limit (seen on Qwen2.5-Coder 0.5B with a tool
+/// call's schema).
+fn bounded_whitespace(schema: serde_json::Value) -> serde_json::Value {
+    match schema {
+        serde_json::Value::Object(mut o) if !o.contains_key("x-guidance") => {
+            o.insert(
+                "x-guidance".into(),
+                serde_json::json!({"whitespace_pattern": r"[\x20\x09]{1,24}|\x0D?\x0A[\x20\x09]{0,24}"}),
+            );
+            serde_json::Value::Object(o)
+        }
+        other => other,
     }
 }
 

@@ -107,6 +107,38 @@ fn a_json_schema_is_all_that_comes_out_and_a_replay_is_exact() {
     assert!(c.accept(x).is_err(), "a JSON object cannot start with x");
 }
 
+/// A schema the model would rather not follow (a tool call it was never
+/// offered) still ends: whitespace between JSON tokens is bounded, where
+/// llguidance's default let this answer fill 80 tokens with blank lines.
+#[test]
+fn an_unwelcome_schema_still_ends_with_the_document() {
+    let mut e = engine();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"const": "get_weather"},
+            "arguments": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"enum": ["celsius", "fahrenheit"]}
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": false
+            }
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": false
+    });
+    let prompt = chat(&e, "What is the weather in Paris?");
+    let g = run(&mut e, &prompt, Grammar::JsonSchema { schema }, 80);
+    assert_eq!(g.finish_reason, FinishReason::Stop, "{:?}", g.text);
+    let v: Value = serde_json::from_str(&g.text).unwrap();
+    assert_eq!(v["name"], "get_weather");
+    assert!(!v["arguments"]["city"].as_str().unwrap().is_empty(), "{v}");
+    assert!(["celsius", "fahrenheit"].contains(&v["arguments"]["unit"].as_str().unwrap()));
+}
+
 #[test]
 fn json_object_and_lark_grammars_constrain_greedy_answers() {
     let mut e = engine();
