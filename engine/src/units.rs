@@ -5,15 +5,9 @@
 /// G/GB/GiB, T/TB/TiB; case-insensitive). Units are binary (1K = 1024),
 /// as memory is counted.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size: expected a number and a unit, like 6GiB"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let (value, unit) = number_and_unit(s)
+        .ok_or_else(|| format!("'{s}' is not a size: expected a number and a unit, like 6GiB"))?;
+    let mult: u64 = match unit.as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
@@ -32,23 +26,25 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// "6.5 GiB" -> (6.5, "gib"): the leading number and the lower-cased unit after it.
+fn number_and_unit(s: &str) -> Option<(f64, String)> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    Some((num.parse().ok()?, unit.trim().to_ascii_lowercase()))
+}
+
 /// Parses a rate in bytes per second, as bandwidth is written ("40GB/s",
 /// "900 GB/s", "1.5TB/s", "25GiB/s"): KB, MB, GB and TB are decimal here
 /// (1 GB/s = 10^9 bytes/s, as `omnictl workers` prints rates); KiB, MiB,
 /// GiB and TiB binary.
 pub fn parse_rate(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let per_s = t
-        .strip_suffix("/s")
-        .ok_or_else(|| format!("'{s}' is not a rate: expected bytes per second, like 40GB/s"))?;
-    let split = per_s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(per_s.len());
-    let (num, unit) = per_s.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a rate: expected bytes per second, like 40GB/s"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let not_a_rate = || format!("'{s}' is not a rate: expected bytes per second, like 40GB/s");
+    let per_s = s.trim().strip_suffix("/s").ok_or_else(not_a_rate)?;
+    let (value, unit) = number_and_unit(per_s).ok_or_else(not_a_rate)?;
+    let mult: f64 = match unit.as_str() {
         "b" => 1.0,
         "kb" => 1e3,
         "mb" => 1e6,

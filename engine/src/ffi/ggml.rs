@@ -1073,6 +1073,14 @@ impl TensorStore {
     }
 }
 
+/// The CPU's repacked buffer type that takes `weight`'s matmuls, if this
+/// CPU has one for its type and shape.
+fn repacked_buft_for(weight: Tensor<'_>) -> Result<Option<BufferType>, String> {
+    Ok(cpu_extra_buffer_types()?
+        .into_iter()
+        .find(|b| buft_supports_mul_mat(*b, weight)))
+}
+
 /// Runs `y = W x` through our ggml build with `W` (`rows x k`, row-major)
 /// stored as `ty` (repacked when `repack` and the CPU supports it), and
 /// returns `y` (`n x rows`) with the reference `dequant(W) · x` in plain Rust.
@@ -1125,9 +1133,11 @@ pub fn matmul_check(
 
     let mut store = TensorStore::new(1);
     let wi = store.add(ty, &[k as i64, rows as i64], "w");
-    let buft = cpu_extra_buffer_types()?
-        .into_iter()
-        .find(|b| repack && buft_supports_mul_mat(*b, store.get(wi)));
+    let buft = if repack {
+        repacked_buft_for(store.get(wi))?
+    } else {
+        None
+    };
     let _buf = Buffer::alloc_ctx(store.ctx(), buft.unwrap_or(backend.buffer_type()))
         .ok_or("no memory for a small buffer")?;
     store.get(wi).write_bytes(&q);
@@ -1172,10 +1182,7 @@ pub fn weight_read_rate(
     let buft = if exec.on_gpu() {
         exec.buffer_type()
     } else {
-        cpu_extra_buffer_types()?
-            .into_iter()
-            .find(|b| buft_supports_mul_mat(*b, store.get(wi)))
-            .unwrap_or(exec.buffer_type())
+        repacked_buft_for(store.get(wi))?.unwrap_or(exec.buffer_type())
     };
     let w_bytes = store.get(wi).nbytes();
     let buf = Buffer::alloc_ctx(store.ctx(), buft)
@@ -1202,6 +1209,5 @@ pub fn weight_read_rate(
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2].max(1e-9);
-    drop(buf);
     Ok(w_bytes as f64 / median)
 }
