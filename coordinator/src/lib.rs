@@ -193,6 +193,29 @@ pub(crate) struct Shared {
     pub metrics: Arc<Metrics>,
     pub admin: Arc<admin::AdminState>,
     pub recovery: Arc<recover::Recovery>,
+    /// The vocabulary as the grammar engine sees it, built at the first
+    /// constrained request (or the error that stopped it).
+    pub grammars: std::sync::OnceLock<Result<omni_engine::constraint::Grammars, String>>,
+}
+
+impl Shared {
+    /// Compiles a request's grammar: INVALID_ARGUMENT naming what is wrong
+    /// with it ("invalid JSON schema: ...").
+    pub fn check_grammar(&self, g: &omni_engine::sampling::Grammar) -> Result<(), tonic::Status> {
+        let grammars = self
+            .grammars
+            .get_or_init(|| {
+                omni_engine::constraint::Grammars::new(&self.tokenizer).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                tonic::Status::internal(format!("constrained decoding is unavailable: {e}"))
+            })?;
+        grammars
+            .compile(g)
+            .map(drop)
+            .map_err(|e| tonic::Status::invalid_argument(e.to_string()))
+    }
 }
 
 /// Runs the coordinator until it is stopped or its start-up fails.
@@ -270,6 +293,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         admin: Arc::new(admin::AdminState::new(metrics.clone())),
         recovery: Arc::default(),
+        grammars: Default::default(),
     });
     shared.admin.set_info(shared.info.clone());
 

@@ -979,5 +979,6 @@ fn seq_start(s: &Seq) -> SeqStart {
         sampling_json: serde_json::to_vec(&s.new.params).expect("serializable"),
         top_logprobs: s.new.top_logprobs,
         logprobs: s.new.logprobs,
+        prompt_len: s.new.prompt.len() as u32,
     }
 }

@@ -6,7 +6,7 @@
 use crate::scheduler::{Event, NewSeq};
 use crate::{Registered, Shared};
 use omni_engine::chat::ChatMessage;
-use omni_engine::sampling::SamplingParams;
+use omni_engine::sampling::{Grammar, SamplingParams};
 use omni_proto::coordinator::v1::{
     generate_request::Prompt, inference_server, registry_server, GenerateEvent, GenerateRequest,
     InfoReply, InfoRequest, RegisterReply, RegisterRequest, WorkerKind,
@@ -164,10 +164,19 @@ impl inference_server::Inference for InferenceSvc {
                 "token id {bad} is outside the vocabulary of {n_vocab} tokens"
             )));
         }
-        let params = sampling_params(r.sampling.as_ref());
+        let params = sampling_params(r.sampling.as_ref())?;
         params
             .validate(n_vocab)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Some(g) = params.grammar.clone() {
+            // Compiled here once so that a bad schema or grammar is refused
+            // by name before the request takes a slot; the last stage
+            // compiles its own copy. The first one walks the vocabulary.
+            let shared = shared.clone();
+            tokio::task::spawn_blocking(move || shared.check_grammar(&g))
+                .await
+                .map_err(|e| Status::internal(format!("the grammar check failed: {e}")))??;
+        }
         if r.top_logprobs > 20 {
             return Err(Status::invalid_argument(format!(
                 "top_logprobs is {} but at most 20 are allowed",
@@ -286,12 +295,12 @@ impl InferenceSvc {
 }
 
 /// The request's sampling settings; absent means greedy.
-fn sampling_params(s: Option<&Sampling>) -> SamplingParams {
+fn sampling_params(s: Option<&Sampling>) -> Result<SamplingParams, Status> {
     let Some(s) = s else {
-        return SamplingParams::default();
+        return Ok(SamplingParams::default());
     };
     let d = SamplingParams::default();
-    SamplingParams {
+    Ok(SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k,
         top_p: if s.top_p == 0.0 { d.top_p } else { s.top_p },
@@ -310,5 +319,26 @@ fn sampling_params(s: Option<&Sampling>) -> SamplingParams {
         frequency_penalty: s.frequency_penalty,
         logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
         seed: s.seed,
+        grammar: s.grammar.as_ref().map(grammar).transpose()?,
+    })
+}
+
+/// The wire's grammar as the engine takes it; a schema that is not JSON is
+/// refused here (what it says is checked by [`Shared::check_grammar`]).
+fn grammar(g: &omni_proto::worker::v1::Grammar) -> Result<Grammar, Status> {
+    use omni_proto::worker::v1::grammar::Kind;
+    match &g.kind {
+        None => Err(Status::invalid_argument(
+            "invalid grammar: it names no kind (json_object, json_schema or lark)",
+        )),
+        Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
+        Some(Kind::JsonSchema(text)) => serde_json::from_str(text)
+            .map(|schema| Grammar::JsonSchema { schema })
+            .map_err(|e| {
+                Status::invalid_argument(format!("invalid JSON schema: it is not JSON: {e}"))
+            }),
+        Some(Kind::Lark(grammar)) => Ok(Grammar::Lark {
+            grammar: grammar.clone(),
+        }),
     }
 }

@@ -14,21 +14,10 @@ use std::sync::Arc;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
-use serde::{Deserialize, Serialize};
 
 use crate::tokenizer::Tokenizer;
 
-/// What a request constrains its output to.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum Grammar {
-    /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
-    JsonObject,
-    /// A document valid against this JSON schema.
-    JsonSchema { schema: serde_json::Value },
-    /// A grammar in llguidance's Lark syntax (a superset of Lark's).
-    Lark { grammar: String },
-}
+pub use crate::sampling::Grammar;
 
 /// Why a grammar cannot be used, or a constraint failed.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +130,11 @@ impl Grammars {
         })
     }
 
+    /// The token that ends a constrained answer.
+    pub fn end_token(&self) -> u32 {
+        self.eos
+    }
+
     /// A fresh constraint for one sequence; an invalid grammar or schema is
     /// an error that says what is wrong with it.
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, ConstraintError> {
@@ -207,6 +201,11 @@ impl Constraint {
         self.matcher
             .consume_token(t)
             .map_err(|e| ConstraintError::Failed(e.to_string()))
+    }
+
+    /// The token that ends the answer once the document is complete.
+    pub fn end_token(&self) -> u32 {
+        self.eos
     }
 
     /// The document is complete and nothing more may follow (the answer

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::constraint::{Grammar, Grammars};
+use crate::constraint::Grammars;
 use crate::error::EngineError;
 use crate::model::ModelFile;
 use crate::sampling::{top_logprobs, Sampler, SamplingParams, StopMatcher};
@@ -196,7 +196,7 @@ impl Engine {
                 n_ctx: self.n_ctx(),
             });
         }
-        let mut constraint = match &opts.grammar {
+        let mut constraint = match &opts.sampling.grammar {
             Some(g) => {
                 if self.grammars.is_none() {
                     self.grammars = Some(Grammars::new(&self.tokenizer)?);
@@ -287,9 +287,6 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// How many alternatives to report per token (0: none).
     pub top_logprobs: usize,
-    /// Only tokens that keep the output a prefix of a document this grammar
-    /// accepts are sampled.
-    pub grammar: Option<Grammar>,
 }
 
 impl Default for GenerateOptions {
@@ -300,7 +297,6 @@ impl Default for GenerateOptions {
             stop_at_eog: true,
             stop: Vec::new(),
             top_logprobs: 0,
-            grammar: None,
         }
     }
 }

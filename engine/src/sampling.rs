@@ -35,6 +35,24 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// RNG seed; `None` picks a fresh one per sampler.
     pub seed: Option<u64>,
+    /// Only tokens that keep the output a prefix of a document this grammar
+    /// accepts are sampled (see `constraint`, which compiles it against the
+    /// model's vocabulary).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<Grammar>,
+}
+
+/// What a request constrains its output to. Plain data: it travels with the
+/// sampling settings to the stage that samples.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Grammar {
+    /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// A document valid against this JSON schema.
+    JsonSchema { schema: serde_json::Value },
+    /// A grammar in llguidance's Lark syntax (a superset of Lark's).
+    Lark { grammar: String },
 }
 
 impl Default for SamplingParams {
@@ -50,6 +68,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             seed: None,
+            grammar: None,
         }
     }
 }
@@ -149,6 +168,11 @@ pub struct SamplerState {
 }
 
 impl Sampler {
+    /// The settings it samples with.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     /// The settings and random-stream position (see [`SamplerState`]).
     pub fn state(&self) -> SamplerState {
         SamplerState {

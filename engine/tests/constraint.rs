@@ -34,7 +34,10 @@ fn chat(e: &Engine, question: &str) -> Vec<u32> {
 fn run(e: &mut Engine, prompt: &[u32], grammar: Grammar, n: usize) -> omni_engine::Generation {
     let opts = GenerateOptions {
         max_tokens: n,
-        grammar: Some(grammar),
+        sampling: omni_engine::sampling::SamplingParams {
+            grammar: Some(grammar),
+            ..Default::default()
+        },
         ..GenerateOptions::default()
     };
     e.generate(prompt, &opts, &mut |_| {}).unwrap()

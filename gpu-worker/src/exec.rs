@@ -3,7 +3,9 @@
 //! the next stage (hidden state) or back to the coordinator (sampled tokens).
 
 use crate::experts::RemoteExperts;
+use omni_engine::constraint::Constraint;
 use omni_engine::kv::KvLayers;
+use omni_engine::model::ModelFile;
 use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplerState, SamplingParams};
 use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
 use omni_proto::worker::v1::{ExpertUse, Sampled, StageTime, Step, TopLogprob};
@@ -115,6 +117,153 @@ struct SeqSampler {
     history: Vec<u32>,
     logprobs: bool,
     top_logprobs: usize,
+    /// Tokens of the prompt; the grammar sees the ones after.
+    prompt_len: usize,
+    /// The sequence's place in its grammar, if it has one: it has taken
+    /// every generated token that came back in as input, so it is a
+    /// function of the history and comes back exactly in a move (fed the
+    /// history again) or a crash replay (fed the replayed steps).
+    constraint: Option<Constrained>,
+}
+
+enum Constrained {
+    Live(Box<Constraint>),
+    /// The grammar could not be compiled or refused a token: the sequence
+    /// ends at its next sample (with the end token) rather than going on
+    /// unconstrained.
+    Broken {
+        end: u32,
+    },
+}
+
+impl SeqSampler {
+    /// A sequence's sampling from its settings (`sampler`: a fresh one, or
+    /// one restored where a move took it) and the history so far, which a
+    /// grammar is fed again.
+    fn new(
+        sampler: Sampler,
+        start: SamplerStart,
+        history: Vec<u32>,
+        grammars: &mut Grammars,
+        model: &ModelFile,
+    ) -> SeqSampler {
+        let constraint = sampler
+            .params()
+            .grammar
+            .as_ref()
+            .map(|g| grammars.compile(g, model));
+        let mut s = SeqSampler {
+            sampler,
+            history: Vec::with_capacity(history.len()),
+            logprobs: start.logprobs,
+            top_logprobs: start.top_logprobs,
+            prompt_len: start.prompt_len,
+            constraint,
+        };
+        for (pos, t) in history.into_iter().enumerate() {
+            s.push(t, pos);
+        }
+        s
+    }
+
+    /// Records a token that entered the sequence at `pos`.
+    fn push(&mut self, token: u32, pos: usize) {
+        self.history.push(token);
+        if pos < self.prompt_len {
+            return;
+        }
+        if let Some(Constrained::Live(c)) = &mut self.constraint {
+            if let Err(e) = c.accept(token) {
+                let end = c.end_token();
+                tracing::error!("a constrained sequence took token {token} at {pos}: {e}");
+                self.constraint = Some(Constrained::Broken { end });
+            }
+        }
+    }
+
+    /// The next token from one row of logits, masked by the grammar first.
+    fn sample(&mut self, logits: &[f32], scratch: &mut Vec<f32>) -> u32 {
+        match &mut self.constraint {
+            None => self.sampler.sample(logits, &self.history),
+            Some(Constrained::Broken { end, .. }) => *end,
+            Some(Constrained::Live(c)) => {
+                scratch.clear();
+                scratch.extend_from_slice(logits);
+                if let Err(e) = c.mask(scratch) {
+                    let end = c.end_token();
+                    tracing::error!("cannot mask a constrained sequence: {e}");
+                    self.constraint = Some(Constrained::Broken { end });
+                    return end;
+                }
+                self.sampler.sample(scratch, &self.history)
+            }
+        }
+    }
+}
+
+/// The grammar engine's view of the vocabulary, built when the first
+/// constrained sequence reaches this stage (the tokenizer is read from the
+/// stage's model file; it walks the whole vocabulary once).
+#[derive(Default)]
+struct Grammars {
+    built: Option<Result<Arc<omni_engine::constraint::Grammars>, String>>,
+}
+
+impl Grammars {
+    fn compile(&mut self, g: &omni_engine::sampling::Grammar, model: &ModelFile) -> Constrained {
+        let compiled = match self.load(&model.path) {
+            Ok(gs) => gs.compile(g).map_err(|e| (e.to_string(), gs.end_token())),
+            // (The coordinator compiled the same grammar over the same
+            // vocabulary; this is a file that cannot be read again.) The
+            // GGUF's EOS ends the sequence.
+            Err(e) => Err((
+                e.clone(),
+                model
+                    .gguf
+                    .get_u32("tokenizer.ggml.eos_token_id")
+                    .unwrap_or(0),
+            )),
+        };
+        match compiled {
+            Ok(c) => Constrained::Live(Box::new(c)),
+            Err((why, end)) => {
+                tracing::error!("cannot constrain a sequence: {why}");
+                Constrained::Broken { end }
+            }
+        }
+    }
+
+    /// The vocabulary's view, built at the first call.
+    fn load(
+        &mut self,
+        model: &std::path::Path,
+    ) -> &Result<Arc<omni_engine::constraint::Grammars>, String> {
+        self.built.get_or_insert_with(|| {
+            let t = Instant::now();
+            let built = omni_engine::tokenizer::Tokenizer::load(model)
+                .map_err(|e| e.to_string())
+                .and_then(|tok| {
+                    omni_engine::constraint::Grammars::new(&tok).map_err(|e| e.to_string())
+                })
+                .map(Arc::new);
+            match &built {
+                Ok(_) => tracing::info!(
+                    "grammar engine ready for {} in {:.0} ms",
+                    model.display(),
+                    t.elapsed().as_secs_f64() * 1e3
+                ),
+                Err(e) => tracing::error!("no grammar engine for {}: {e}", model.display()),
+            }
+            built
+        })
+    }
+}
+
+/// What a sequence's start says about its sampling besides the settings.
+struct SamplerStart {
+    logprobs: bool,
+    top_logprobs: usize,
+    prompt_len: usize,
 }
 
 /// Work for the stage thread between frames (live migration).
@@ -149,6 +298,9 @@ pub struct SamplerEntry {
     pub history: Vec<u32>,
     pub logprobs: bool,
     pub top_logprobs: usize,
+    /// Tokens of the prompt (a grammar takes the history after them).
+    #[serde(default)]
+    pub prompt_len: usize,
 }
 
 /// The stage a switch replaced, kept until the move commits or rolls back,
@@ -198,6 +350,8 @@ impl Exec {
                     index: stage_index,
                     dtype: hidden_dtype,
                     samplers: HashMap::new(),
+                    grammars: Grammars::default(),
+                    scratch: Vec::new(),
                     experts,
                     device_experts,
                     stats,
@@ -341,6 +495,9 @@ struct StageRun {
     index: u32,
     dtype: HiddenDtype,
     samplers: HashMap<u32, SeqSampler>,
+    grammars: Grammars,
+    /// One row of masked logits (constrained sequences).
+    scratch: Vec<f32>,
     experts: Arc<Mutex<Option<RemoteExperts>>>,
     device_experts: DeviceExperts,
     stats: Arc<ExecStats>,
@@ -459,6 +616,7 @@ impl StageRun {
                     history: s.history.clone(),
                     logprobs: s.logprobs,
                     top_logprobs: s.top_logprobs,
+                    prompt_len: s.prompt_len,
                 })
                 .collect(),
         };
@@ -508,15 +666,14 @@ impl StageRun {
                 let sampler =
                     Sampler::restore(e.state).map_err(|why| format!("slot {}: {why}", e.slot))?;
                 added_samplers.push(e.slot);
-                self.samplers.insert(
-                    e.slot,
-                    SeqSampler {
-                        sampler,
-                        history: e.history,
-                        logprobs: e.logprobs,
-                        top_logprobs: e.top_logprobs,
-                    },
-                );
+                let start = SamplerStart {
+                    logprobs: e.logprobs,
+                    top_logprobs: e.top_logprobs,
+                    prompt_len: e.prompt_len,
+                };
+                let model = new.as_ref().expect("head").model();
+                let s = SeqSampler::new(sampler, start, e.history, &mut self.grammars, model);
+                self.samplers.insert(e.slot, s);
             }
         }
         let old = std::mem::replace(&mut self.stage, new);
@@ -658,15 +815,15 @@ impl StageRun {
             for s in &step.starts {
                 let params: SamplingParams = serde_json::from_slice(&s.sampling_json)
                     .map_err(|e| format!("bad sampling settings for slot {}: {e}", s.slot))?;
-                self.samplers.insert(
-                    s.slot,
-                    SeqSampler {
-                        sampler: Sampler::new(params),
-                        history: Vec::new(),
-                        logprobs: s.logprobs,
-                        top_logprobs: s.top_logprobs as usize,
-                    },
-                );
+                let start = SamplerStart {
+                    logprobs: s.logprobs,
+                    top_logprobs: s.top_logprobs as usize,
+                    prompt_len: s.prompt_len as usize,
+                };
+                let sampler = Sampler::new(params);
+                let model = stage.model();
+                let seq = SeqSampler::new(sampler, start, Vec::new(), &mut self.grammars, model);
+                self.samplers.insert(s.slot, seq);
             }
         }
         let n = step.positions.len();
@@ -779,15 +936,17 @@ impl StageRun {
                     history: Vec::new(),
                     logprobs: false,
                     top_logprobs: 0,
+                    prompt_len: 0,
+                    constraint: None,
                 }
             });
-            s.history.push(batch.tokens[i]);
+            s.push(batch.tokens[i], batch.pos[i] as usize);
         }
         for (row, &bi) in logits.rows.iter().enumerate() {
             let slot = batch.seq[bi];
             let l = logits.row(row);
             let s = self.samplers.get_mut(&slot).expect("inserted above");
-            let token = s.sampler.sample(l, &s.history);
+            let token = s.sample(l, &mut self.scratch);
             let logprob = (s.logprobs || s.top_logprobs > 0).then(|| logprob_of(l, token));
             let top = if s.top_logprobs > 0 {
                 top_logprobs(l, s.top_logprobs)

@@ -64,6 +64,18 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
     let tokenizer = omni_engine::Tokenizer::load(&path)?;
     let prompt = tokenizer.encode("The history of the city begins", true, false)?;
     let mut rows = Vec::new();
+    // Structured output's cost (2 stages over shm): the same decode under a
+    // JSON schema that cannot end within the run (an array of at least
+    // `tg` objects), as tokens per second and the grammar's mask time.
+    let schema = serde_json::json!({
+        "type": "array", "minItems": a.tg,
+        "items": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "year": {"type": "integer"}},
+            "required": ["city", "year"]
+        }
+    });
+    let mut constrained: Option<(f64, f64, Vec<u32>)> = None;
 
     // llama.cpp from the same vendored source: decode rate from the
     // difference of two runs, so the prompt's prefill cancels out.
@@ -121,12 +133,28 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
                 if i == 1 {
                     before = rt.block_on(traffic(&info))?;
                 }
-                let r = rt.block_on(decode_rate(&listen, &prompt, a.tg))?;
+                let (r, _) = rt.block_on(decode_rate(&listen, &prompt, a.tg, None))?;
                 if i > 0 {
                     runs.push(r);
                 }
             }
             let after = rt.block_on(traffic(&info))?;
+            if name == "2 stages, shm" {
+                // Interleaved with the same decode unconstrained, so drift
+                // in the machine's speed hits both alike.
+                let (mut with, mut without, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+                for i in 0..=a.runs {
+                    let (plain, _) = rt.block_on(decode_rate(&listen, &prompt, a.tg, None))?;
+                    let g = Some(schema.to_string());
+                    let (r, got) = rt.block_on(decode_rate(&listen, &prompt, a.tg, g))?;
+                    if i > 0 {
+                        with.push(r);
+                        without.push(plain);
+                    }
+                    ids = got;
+                }
+                constrained = Some((median(&mut with), median(&mut without), ids));
+            }
             let tokens = (after.2 - before.2).max(1) as f64;
             let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
             anyhow::Ok(Row {
@@ -151,6 +179,10 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
 
     let reference = rows[0].tok_s;
     let one_stage = rows[1].tok_s;
+    let structured = match constrained {
+        Some((tok_s, plain, ids)) => Some((tok_s, plain, mask_us(&tokenizer, &schema, &ids)?)),
+        None => None,
+    };
     if a.json {
         let v: Vec<_> = rows
             .iter()
@@ -169,6 +201,10 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "model": path, "threads_per_process": threads, "tg": a.tg, "runs": a.runs, "rows": v,
+                "json_schema": structured.map(|(tok_s, plain, mask)| serde_json::json!({
+                    "config": "2 stages, shm", "decode_tok_s": tok_s, "unconstrained_tok_s": plain,
+                    "vs_unconstrained": tok_s / plain, "mask_us_p50": mask.0, "mask_us_p99": mask.1,
+                })),
                 "hop_4k": hops.iter().map(|(t, (p50, p99))| serde_json::json!({"transport": t, "p50_us": p50, "p99_us": p99})).collect::<Vec<_>>(),
             }))?
         );
@@ -206,6 +242,14 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             opt(r.expert_b_tok, 0),
             r.expert_wait_ms
                 .map_or("-".to_string(), |v| format!("{v:.3} ms"))
+        );
+    }
+    if let Some((tok_s, plain, (p50, p99))) = structured {
+        println!(
+            "2 stages, shm, json_schema: {tok_s:.1} tok/s against {plain:.1} unconstrained in turn \
+             ({:.2}x); mask p50 {p50:.0} µs, p99 {p99:.0} µs per token ({} tokens in the vocabulary)",
+            tok_s / plain,
+            tokenizer.n_vocab()
         );
     }
     println!(
@@ -321,9 +365,42 @@ fn percentiles(mut lat: Vec<f64>, frames: usize) -> anyhow::Result<(f64, f64)> {
     Ok((at(0.5), at(0.99)))
 }
 
-/// Decode tokens per second of one greedy request: from the first token to
-/// the last, so the prefill is not counted.
-async fn decode_rate(addr: &str, prompt: &[u32], tg: usize) -> anyhow::Result<f64> {
+/// The grammar's mask time per token (p50, p99, µs) along `ids`, the
+/// tokens a constrained run generated: what the last stage adds per token.
+fn mask_us(
+    tok: &omni_engine::Tokenizer,
+    schema: &serde_json::Value,
+    ids: &[u32],
+) -> anyhow::Result<(f64, f64)> {
+    use omni_engine::constraint::Grammars;
+    use omni_engine::sampling::Grammar;
+    let grammars = Grammars::new(tok)?;
+    let mut c = grammars.compile(&Grammar::JsonSchema {
+        schema: schema.clone(),
+    })?;
+    let mut logits = vec![0f32; tok.n_vocab()];
+    let mut us = Vec::with_capacity(ids.len());
+    for &t in ids {
+        let at = Instant::now();
+        c.mask(&mut logits)?;
+        us.push(at.elapsed().as_secs_f64() * 1e6);
+        c.accept(t)?;
+    }
+    anyhow::ensure!(!us.is_empty(), "the constrained run generated nothing");
+    us.sort_by(f64::total_cmp);
+    let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
+    Ok((at(0.5), at(0.99)))
+}
+
+/// Decode tokens per second of one greedy request (constrained to the JSON
+/// `schema` if given): from the first token to the last, so the prefill is
+/// not counted. Also the tokens.
+async fn decode_rate(
+    addr: &str,
+    prompt: &[u32],
+    tg: usize,
+    schema: Option<String>,
+) -> anyhow::Result<(f64, Vec<u32>)> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
         .connect()
         .await?;
@@ -334,20 +411,27 @@ async fn decode_rate(addr: &str, prompt: &[u32], tg: usize) -> anyhow::Result<f6
         })),
         max_tokens: (tg + 1) as u32,
         ignore_eos: true,
+        sampling: schema.map(|s| omni_proto::worker::v1::Sampling {
+            grammar: Some(omni_proto::worker::v1::Grammar {
+                kind: Some(omni_proto::worker::v1::grammar::Kind::JsonSchema(s)),
+            }),
+            ..Default::default()
+        }),
         ..Default::default()
     };
     let mut stream = c.generate(req).await?.into_inner();
-    let (mut first, mut last, mut n) = (None, Instant::now(), 0usize);
+    let (mut first, mut last, mut ids) = (None, Instant::now(), Vec::new());
     while let Some(ev) = stream.next().await {
         let ev = ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-        for _ in ev.tokens {
-            n += 1;
+        for t in ev.tokens {
+            ids.push(t.id);
             last = Instant::now();
             first.get_or_insert(last);
         }
     }
     let first = first.context("no tokens")?;
-    Ok((n - 1) as f64 / (last - first).as_secs_f64().max(1e-9))
+    let rate = (ids.len() - 1) as f64 / (last - first).as_secs_f64().max(1e-9);
+    Ok((rate, ids))
 }
 
 pub(crate) fn free_port() -> anyhow::Result<u16> {

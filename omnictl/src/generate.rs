@@ -75,20 +75,22 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     /// Constrain the output to JSON valid against this JSON schema (the
-    /// schema's text, or @FILE). Local runs only.
-    #[arg(long, conflicts_with_all = ["coordinator", "grammar", "json_object"])]
+    /// schema's text, or @FILE).
+    #[arg(long, conflicts_with_all = ["grammar", "json_object"])]
     pub json_schema: Option<String>,
-    /// Constrain the output to a JSON object. Local runs only.
-    #[arg(long, conflicts_with_all = ["coordinator", "grammar"])]
+    /// Constrain the output to a JSON object.
+    #[arg(long, conflicts_with = "grammar")]
     pub json_object: bool,
     /// Constrain the output to a grammar in llguidance's Lark syntax (e.g.
-    /// 'start: "yes" | "no"'; the text, or @FILE). Local runs only.
-    #[arg(long, conflicts_with = "coordinator")]
+    /// 'start: "yes" | "no"'; the text, or @FILE).
+    #[arg(long)]
     pub grammar: Option<String>,
 }
 
 /// The constraint the flags ask for, if any.
-fn grammar(a: &GenerateArgs) -> anyhow::Result<Option<omni_engine::constraint::Grammar>> {
+pub(crate) fn grammar(
+    a: &GenerateArgs,
+) -> anyhow::Result<Option<omni_engine::constraint::Grammar>> {
     use omni_engine::constraint::Grammar;
     let text = |v: &str| -> anyhow::Result<String> {
         match v.strip_prefix('@') {
@@ -176,12 +178,12 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             min_p: a.min_p,
             repeat_penalty: a.repeat_penalty,
             seed: a.seed,
+            grammar: grammar(&a)?,
             ..SamplingParams::default()
         },
         stop_at_eog: !a.ignore_eos,
         stop: a.stop.clone(),
         top_logprobs: a.top_logprobs,
-        grammar: grammar(&a)?,
     };
     let json = a.json;
     let mut stdout = std::io::stdout();

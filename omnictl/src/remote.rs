@@ -60,6 +60,18 @@ pub fn generate(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
     rt.block_on(generate_async(addr, a))
 }
 
+/// The flags' grammar as the coordinator takes it.
+fn wire_grammar(g: &omni_engine::sampling::Grammar) -> omni_proto::worker::v1::Grammar {
+    use omni_engine::sampling::Grammar;
+    use omni_proto::worker::v1::grammar::{JsonObject, Kind};
+    let kind = match g {
+        Grammar::JsonObject => Kind::JsonObject(JsonObject {}),
+        Grammar::JsonSchema { schema } => Kind::JsonSchema(schema.to_string()),
+        Grammar::Lark { grammar } => Kind::Lark(grammar.clone()),
+    };
+    omni_proto::worker::v1::Grammar { kind: Some(kind) }
+}
+
 async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
     let mut c = client(addr, Duration::from_secs(10)).await?;
     let prompt = match (&a.prompt_ids, &a.prompt) {
@@ -91,6 +103,7 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
             min_p: a.min_p,
             repeat_penalty: a.repeat_penalty,
             seed: a.seed,
+            grammar: crate::generate::grammar(a)?.map(|g| wire_grammar(&g)),
             ..Default::default()
         }),
         stop: a.stop.clone(),

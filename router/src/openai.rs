@@ -14,10 +14,14 @@
 //!   sequence of its own in the cluster, which has few sequence slots.
 //! - Extensions from llama.cpp and vLLM: `top_k` (0 or negative: off), `min_p` 0..=1,
 //!   `repeat_penalty` > 0, `ignore_eos`.
+//! - Structured output on both endpoints: `response_format` `text`, `json_object` and
+//!   `json_schema` (strict or not), and llama.cpp's `json_schema` and `grammar` (in
+//!   llguidance's Lark syntax, not GBNF: a GBNF grammar is refused saying so). At most one
+//!   of the three; the coordinator compiles the schema or grammar and names what is wrong.
 //!
 //! Refused with a 400 rather than silently ignored, until a later issue adds them: `tools`,
 //! `tool_choice` (other than "none"/"auto" without tools), `functions`, `function_call`,
-//! tool messages and assistant tool calls, `response_format` other than `{"type":"text"}`,
+//! tool messages and assistant tool calls,
 //! image/audio/file content parts, and for completions `echo`, `suffix` and `best_of`.
 //! Unknown fields are ignored, as OpenAI-compatible servers do.
 
@@ -32,7 +36,8 @@ use omni_proto::coordinator::v1::generate_request::Prompt;
 use omni_proto::coordinator::v1::{
     Chat, ChatMessage, Done, FinishReason, GenerateEvent, GenerateRequest, Token, TokenIds,
 };
-use omni_proto::worker::v1::{LogitBias, Sampling};
+use omni_proto::worker::v1::grammar::{JsonObject, Kind as GrammarKind};
+use omni_proto::worker::v1::{Grammar, LogitBias, Sampling};
 use serde::de::DeserializeOwned;
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize, Serializer};
@@ -314,6 +319,13 @@ fn status_param(msg: &str) -> Option<String> {
     if msg.starts_with("top_logprobs") {
         return Some("top_logprobs".into());
     }
+    // omni_engine's ConstraintError::Invalid: "invalid {what}: {why}".
+    if msg.starts_with("invalid Lark grammar") {
+        return Some("grammar".into());
+    }
+    if msg.starts_with("invalid JSON schema") || msg.starts_with("invalid json_object") {
+        return Some("response_format".into());
+    }
     let about_prompt = ["prompt", "token id", "chat", "template", "tokeniz"];
     about_prompt
         .iter()
@@ -446,12 +458,16 @@ pub struct ChatCompletionRequest {
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
-    // Refused until function calling and structured output exist.
+    // Refused until function calling exists.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`.
     pub response_format: Option<Value>,
+    /// llama.cpp's extensions: a JSON schema, or a grammar (Lark syntax).
+    pub json_schema: Option<Value>,
+    pub grammar: Option<Value>,
 }
 
 /// `POST /v1/completions`.
@@ -488,6 +504,11 @@ pub struct CompletionRequest {
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
+    /// As for chat (llama.cpp's server takes it on completions too).
+    pub response_format: Option<Value>,
+    /// llama.cpp's extensions: a JSON schema, or a grammar (Lark syntax).
+    pub json_schema: Option<Value>,
+    pub grammar: Option<Value>,
 }
 
 /// The fields both endpoints share, validated and converted in one place.
@@ -503,6 +524,9 @@ struct Common<'a> {
     top_k: Option<i64>,
     min_p: Option<f64>,
     repeat_penalty: Option<f64>,
+    response_format: Option<&'a Value>,
+    json_schema: Option<&'a Value>,
+    grammar: Option<&'a Value>,
 }
 
 fn check_between(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<(), ApiError> {
@@ -568,7 +592,39 @@ impl Common<'_> {
         self.seed()?;
         self.logit_bias()?;
         self.stop()?;
+        self.grammar()?;
         Ok(())
+    }
+
+    /// What the output is constrained to: `response_format`, or llama.cpp's
+    /// `json_schema` / `grammar` (one of them). The schema or grammar itself
+    /// is compiled by the coordinator, which names what is wrong with it.
+    fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
+        let given: Vec<&str> = [
+            ("response_format", self.response_format),
+            ("json_schema", self.json_schema),
+            ("grammar", self.grammar),
+        ]
+        .into_iter()
+        .filter(|(_, v)| v.is_some_and(|v| !v.is_null()))
+        .map(|(name, _)| name)
+        .collect();
+        if given.len() > 1 {
+            return Err(ApiError::invalid(
+                given[1],
+                format!(
+                    "{} and {} both constrain the output; give one of them",
+                    given[0], given[1]
+                ),
+            ));
+        }
+        let kind = match (self.response_format, self.json_schema, self.grammar) {
+            (Some(rf), _, _) if !rf.is_null() => response_format(rf)?,
+            (_, Some(schema), _) if !schema.is_null() => Some(json_schema(schema, "json_schema")?),
+            (_, _, Some(g)) if !g.is_null() => Some(lark(g)?),
+            _ => None,
+        };
+        Ok(kind.map(|k| Grammar { kind: Some(k) }))
     }
 
     fn seed(&self) -> Result<Option<u64>, ApiError> {
@@ -671,8 +727,90 @@ impl Common<'_> {
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
             logit_bias: self.logit_bias()?,
             seed: self.seed()?,
+            grammar: self.grammar()?,
         })
     }
+}
+
+/// OpenAI's `response_format`: `text`, `json_object` (llama.cpp also takes a
+/// `schema` beside it) or `json_schema` with its `json_schema.schema` (strict
+/// or not: the output always fits the schema).
+fn response_format(rf: &Value) -> Result<Option<GrammarKind>, ApiError> {
+    let param = "response_format";
+    let Some(obj) = rf.as_object() else {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "response_format is {} but must be an object such as {{\"type\": \"json_object\"}}",
+                kind_of(rf)
+            ),
+        ));
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => match obj.get("schema") {
+            Some(schema) if !schema.is_null() => json_schema(schema, "response_format.schema").map(Some),
+            _ => Ok(Some(GrammarKind::JsonObject(JsonObject {}))),
+        },
+        Some("json_schema") => {
+            let at = "response_format.json_schema";
+            let Some(js) = obj.get("json_schema").and_then(Value::as_object) else {
+                return Err(ApiError::invalid(
+                    at,
+                    "response_format type \"json_schema\" needs a `json_schema` object: {\"name\": ..., \"schema\": {...}}",
+                ));
+            };
+            match js.get("schema") {
+                Some(schema) if !schema.is_null() => {
+                    json_schema(schema, "response_format.json_schema.schema").map(Some)
+                }
+                // OpenAI's schema is optional: any JSON object then.
+                _ => Ok(Some(GrammarKind::JsonObject(JsonObject {}))),
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            "response_format.type",
+            format!("response_format.type is \"{other}\" but must be one of text, json_object, json_schema"),
+        )),
+        None => Err(ApiError::invalid(
+            "response_format.type",
+            "response_format has no `type`; use \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+fn json_schema(schema: &Value, param: &str) -> Result<GrammarKind, ApiError> {
+    if !(schema.is_object() || schema.is_boolean()) {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "{param} is {} but a JSON schema is an object",
+                kind_of(schema)
+            ),
+        ));
+    }
+    Ok(GrammarKind::JsonSchema(schema.to_string()))
+}
+
+/// llama.cpp's `grammar` is GBNF; omni takes llguidance's Lark syntax, and
+/// says so when it sees GBNF's `::=`.
+fn lark(g: &Value) -> Result<GrammarKind, ApiError> {
+    let Some(text) = g.as_str() else {
+        return Err(ApiError::invalid(
+            "grammar",
+            format!(
+                "grammar is {} but must be a string (a Lark grammar)",
+                kind_of(g)
+            ),
+        ));
+    };
+    if text.contains("::=") {
+        return Err(ApiError::invalid(
+            "grammar",
+            "grammar looks like GBNF (it has `::=`): omni takes grammars in llguidance's Lark syntax, e.g. `start: \"yes\" | \"no\"` for `root ::= \"yes\" | \"no\"`",
+        ));
+    }
+    Ok(GrammarKind::Lark(text.to_string()))
 }
 
 /// A JSON value that asks for nothing: absent, null, or an empty array.
@@ -767,6 +905,9 @@ impl ChatCompletionRequest {
             top_k: self.top_k,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            response_format: self.response_format.as_ref(),
+            json_schema: self.json_schema.as_ref(),
+            grammar: self.grammar.as_ref(),
         }
     }
 
@@ -829,16 +970,6 @@ impl ChatCompletionRequest {
                         format!("{param} {other} is not supported yet: function calling comes later; use \"none\" or leave it out"),
                     ))
                 }
-            }
-        }
-        if let Some(rf) = &self.response_format {
-            let ty = rf.get("type").and_then(Value::as_str);
-            if !rf.is_null() && ty != Some("text") {
-                let what = ty.map_or_else(|| rf.to_string(), |t| format!("\"{t}\""));
-                return Err(ApiError::unsupported(
-                    "response_format",
-                    format!("response_format type {what} is not supported yet; only {{\"type\": \"text\"}} is"),
-                ));
             }
         }
         Ok(())
@@ -969,6 +1100,9 @@ impl CompletionRequest {
             top_k: self.top_k,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            response_format: self.response_format.as_ref(),
+            json_schema: self.json_schema.as_ref(),
+            grammar: self.grammar.as_ref(),
         }
     }
 

@@ -10,6 +10,7 @@ use omni_proto::coordinator::v1::generate_request::Prompt;
 use omni_proto::coordinator::v1::{
     ChatMessage, Done, FinishReason, GenerateEvent, GenerateRequest, Token,
 };
+use omni_proto::worker::v1::grammar::{JsonObject, Kind};
 use omni_proto::worker::v1::{LogitBias, TopLogprob};
 use omni_router::openai::*;
 use serde_json::{json, Value};
@@ -533,7 +534,7 @@ fn edges_of_the_ranges_are_accepted() {
 }
 
 #[test]
-fn tools_and_response_format_are_refused() {
+fn tools_are_refused_until_function_calling_lands() {
     let weather_tool = json!([{
         "type": "function",
         "function": {
@@ -554,14 +555,6 @@ fn tools_and_response_format_are_refused() {
             "functions",
         ),
         (json!({"function_call": {"name": "f"}}), "function_call"),
-        (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
-        ),
-        (
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
-            "response_format",
-        ),
         (
             json!({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "22C"}]}),
             "messages[0].role",
@@ -585,20 +578,119 @@ fn tools_and_response_format_are_refused() {
             e.message
         );
     }
-    let e = chat(chat_with(
-        json!({"response_format": {"type": "json_object"}}),
-    ))
-    .unwrap_err();
-    assert_eq!(
-        e.message,
-        "response_format type \"json_object\" is not supported yet; only {\"type\": \"text\"} is"
-    );
-
     // What asks for no tools and plain text goes through.
     chat(chat_with(json!({
         "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
     })))
     .unwrap();
+}
+
+/// The grammar a request's structured-output fields send to the coordinator.
+fn grammar_of(r: &GenerateRequest) -> Option<Kind> {
+    r.sampling.as_ref()?.grammar.as_ref()?.kind.clone()
+}
+
+#[test]
+fn structured_output_reaches_the_coordinator_as_a_grammar() {
+    let schema =
+        json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+    let cases = [
+        (json!({"response_format": {"type": "text"}}), None),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            Some(Kind::JsonObject(JsonObject {})),
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true, "schema": schema}}}),
+            Some(Kind::JsonSchema(schema.to_string())),
+        ),
+        // OpenAI's schema is optional: any object then.
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}),
+            Some(Kind::JsonObject(JsonObject {})),
+        ),
+        // llama.cpp's forms.
+        (
+            json!({"response_format": {"type": "json_object", "schema": schema}}),
+            Some(Kind::JsonSchema(schema.to_string())),
+        ),
+        (
+            json!({"json_schema": schema}),
+            Some(Kind::JsonSchema(schema.to_string())),
+        ),
+        (
+            json!({"grammar": "start: \"yes\" | \"no\""}),
+            Some(Kind::Lark("start: \"yes\" | \"no\"".into())),
+        ),
+    ];
+    for (patch, want) in cases {
+        assert_eq!(
+            grammar_of(&chat(chat_with(patch.clone())).unwrap()),
+            want,
+            "{patch}"
+        );
+        let r = completion(completion_with(patch.clone())).unwrap();
+        assert_eq!(grammar_of(&r), want, "{patch}");
+    }
+}
+
+#[test]
+fn bad_structured_output_fields_are_400_and_say_what_to_send() {
+    let cases = [
+        (
+            json!({"response_format": "json"}),
+            "response_format",
+            "response_format is a string but must be an object",
+        ),
+        (
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format.type",
+            "response_format.type is \"yaml\" but must be one of text, json_object, json_schema",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            "response_format.json_schema",
+            "needs a `json_schema` object",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}),
+            "response_format.json_schema.schema",
+            "is an array but a JSON schema is an object",
+        ),
+        (
+            json!({"grammar": "root ::= \"yes\""}),
+            "grammar",
+            "grammar looks like GBNF",
+        ),
+        (json!({"grammar": 7}), "grammar", "must be a string"),
+        (
+            json!({"json_schema": {}, "grammar": "start: \"a\""}),
+            "grammar",
+            "json_schema and grammar both constrain the output",
+        ),
+    ];
+    for (patch, param, says) in cases {
+        for e in [
+            chat(chat_with(patch.clone())).unwrap_err(),
+            completion(completion_with(patch.clone())).unwrap_err(),
+        ] {
+            assert_eq!(
+                (e.status, e.param.as_deref()),
+                (400, Some(param)),
+                "{patch}"
+            );
+            assert!(e.message.contains(says), "{patch}: {}", e.message);
+        }
+    }
+    // The coordinator's verdict on the schema itself names the field.
+    let e = omni_router::openai::from_status(&tonic::Status::invalid_argument(
+        "invalid JSON schema: unknown type \"integr\"",
+    ));
+    assert_eq!(e.param.as_deref(), Some("response_format"));
+    let e = omni_router::openai::from_status(&tonic::Status::invalid_argument(
+        "invalid Lark grammar: expecting rule",
+    ));
+    assert_eq!(e.param.as_deref(), Some("grammar"));
 }
 
 #[test]

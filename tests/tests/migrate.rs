@@ -17,6 +17,7 @@
 //! concurrent test). What is left to differ is what the moves change.
 
 use omni_proto::coordinator::v1::GenerateRequest;
+use omni_proto::worker::v1::grammar::{JsonObject, Kind};
 use omni_proto::worker::v1::Sampling;
 use omni_tests::fixtures::{model, GEMMA};
 use omni_tests::{greedy, ids, same_tokens, start_streams, target_bin, Cluster, ClusterSpec};
@@ -236,6 +237,28 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     let at_move = stream.progress.load(Ordering::Relaxed);
     same_tokens(&stream.handle.join().unwrap(), &[want], "the head's moves");
     assert!(at_move < N_GEN, "the moves ended after the stream");
+    // The same with a grammar (any JSON object): its state moves with the
+    // head too, fed the sequence's history again where it lands.
+    let mut constrained = seeded(&ps[2]);
+    if let Some(s) = constrained.sampling.as_mut() {
+        s.grammar = Some(omni_proto::worker::v1::Grammar {
+            kind: Some(Kind::JsonObject(JsonObject {})),
+        });
+    }
+    let want = ids(&c.generate(constrained.clone()).unwrap());
+    let tok = omni_engine::tokenizer::Tokenizer::load(&model(GEMMA)).unwrap();
+    let text = tok.decode(&want);
+    assert!(text.trim_start().starts_with('{'), "not JSON: {text:?}");
+    let stream = start_streams(&c.addr, vec![constrained]);
+    stream.wait_for(8);
+    move_ok(&c, &["drain", "w2"]);
+    move_ok(&c, &["undrain", "w2"]);
+    let at_move = stream.progress.load(Ordering::Relaxed);
+    same_tokens(&stream.handle.join().unwrap(), &[want], "the head's moves");
+    assert!(
+        at_move < N_GEN,
+        "the moves ended after the constrained stream"
+    );
 
     // Then four greedy streams.
     let reqs: Vec<GenerateRequest> = ps.iter().map(|p| greedy(p, N_GEN)).collect();

@@ -1,7 +1,9 @@
 //! The router driven by the official `openai` Python package (see
 //! tests/python/test_openai_client.py), against a real cluster serving
-//! Gemma 3. `scripts/test` installs the package into `.venv` beside the
-//! checkout (or set OMNI_PYTHON to an interpreter that has openai and pytest).
+//! Gemma 3, and with LangChain for structured output (tests/python/qwen)
+//! against the instruction-tuned Qwen model. `scripts/test` installs the
+//! packages into `.venv` beside the checkout (or set OMNI_PYTHON to an
+//! interpreter that has openai, pytest, jsonschema and langchain-openai).
 
 use omni_tests::fixtures::{model, GEMMA, QWEN};
 use omni_tests::{start_router, venv_tool, Cluster, ClusterSpec, Proc};
@@ -11,15 +13,16 @@ use std::process::Command;
 /// One cluster at a time: the machine has two cores.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// A cluster serving Gemma 3 with a router in front (key `sk-python`).
-fn serve(file: &str, ctx: usize) -> (Cluster, Proc, String, tempfile::TempDir) {
+/// A two-stage cluster serving `file` with a router in front (key
+/// `sk-python`), under the model name `name`.
+fn serve(file: &str, name: &str, ctx: usize) -> (Cluster, Proc, String, tempfile::TempDir) {
     let mut spec = ClusterSpec::new(2, "shm");
     spec.ctx = ctx;
     let cluster = Cluster::start(&model(file), &spec);
     let dir = tempfile::tempdir().unwrap();
     let args = [
         "--model".to_string(),
-        format!("gemma3-270m={}", cluster.addr),
+        format!("{name}={}", cluster.addr),
         "--api-key".into(),
         "sk-python".into(),
     ];
@@ -31,9 +34,26 @@ fn serve(file: &str, ctx: usize) -> (Cluster, Proc, String, tempfile::TempDir) {
 fn official_openai_client_against_a_real_cluster() {
     let py = venv_tool("python");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (cluster, router, addr, _dir) = serve(GEMMA, 1024);
-    let tests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python");
-    let out = Command::new(&py)
+    let (cluster, router, addr, _dir) = serve(GEMMA, "gemma3-270m", 1024);
+    pytest(&py, "test_openai_client.py", &cluster, &router, &addr);
+}
+
+/// Structured output (tests/python/qwen): the official client and
+/// LangChain against the instruction-tuned Qwen model on two stages.
+#[test]
+fn structured_output_with_the_official_client_and_langchain() {
+    let py = venv_tool("python");
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (cluster, router, addr, _dir) = serve(QWEN, "qwen2.5-coder-0.5b", 2048);
+    pytest(&py, "qwen", &cluster, &router, &addr);
+}
+
+/// Runs pytest on `what` (under tests/python) against the router at `addr`.
+fn pytest(py: &std::path::Path, what: &str, cluster: &Cluster, router: &Proc, addr: &str) {
+    let tests = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(what);
+    let out = Command::new(py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .arg(&tests)
         .env("OMNI_BASE_URL", format!("http://{addr}/v1"))
@@ -64,7 +84,7 @@ fn official_openai_client_against_a_real_cluster() {
 fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
     let comply = venv_tool("llm-comply");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (cluster, router, addr, _dir) = serve(QWEN, 2048);
+    let (cluster, router, addr, _dir) = serve(QWEN, "qwen2.5-coder-0.5b", 2048);
     let out = Command::new(&comply)
         .args([
             "--format",
@@ -72,7 +92,7 @@ fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
             "-k",
             "sk-python",
             "-m",
-            "gemma3-270m",
+            "qwen2.5-coder-0.5b",
         ])
         .args(["-u", &format!("http://{addr}/v1")])
         .env("PYTHONDONTWRITEBYTECODE", "1")

@@ -295,3 +295,79 @@ fn while_recovering_requests_queue_to_a_bound_then_get_503_and_ready_says_not_re
     let (status, ready) = http(&api, "GET", "/ready", &[], b"");
     assert_eq!(status, 200, "{ready}");
 }
+
+/// A constrained answer comes back exactly in a crash replay: the
+/// instruction-tuned Qwen model on two stages answers a chat with JSON that
+/// must fit a schema, and the last stage (which holds the grammar's state
+/// with the sampler) is killed mid-answer. The answers are the clean run's
+/// tokens, and they parse and fit the schema.
+#[test]
+fn a_constrained_answer_survives_kill_9_of_the_stage_that_holds_its_grammar() {
+    use omni_proto::coordinator::v1::generate_request::Prompt;
+    use omni_proto::coordinator::v1::{Chat, ChatMessage};
+    use omni_proto::worker::v1::{grammar::Kind, Grammar, Sampling};
+    let qwen = omni_tests::fixtures::model(omni_tests::fixtures::QWEN);
+    let c = supervised(&qwen, &["--stages", "2"], &[]);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"cities": {
+            "type": "array", "minItems": 3, "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+                "required": ["name", "country"],
+                "additionalProperties": false
+            }
+        }},
+        "required": ["cities"],
+        "additionalProperties": false
+    });
+    let ask = |what: &str| GenerateRequest {
+        prompt: Some(Prompt::Chat(Chat {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: format!("Name three {what} cities and their countries, as JSON."),
+            }],
+        })),
+        max_tokens: 200,
+        sampling: Some(Sampling {
+            grammar: Some(Grammar {
+                kind: Some(Kind::JsonSchema(schema.to_string())),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let reqs = vec![ask("European"), ask("Asian")];
+    let want = clean_run(&c, reqs.clone());
+    let tok = omni_engine::tokenizer::Tokenizer::load(&qwen).unwrap();
+    for ids in &want {
+        let text = tok.decode(ids);
+        let text = text
+            .trim_end_matches("<|im_end|>")
+            .trim_end_matches("<|endoftext|>");
+        let v: serde_json::Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("the answer is not JSON ({e}): {text:?}"));
+        let cities = v["cities"].as_array().expect("cities");
+        assert_eq!(cities.len(), 3, "{v}");
+        eprintln!("{} tokens: {v}", ids.len());
+        assert!(cities
+            .iter()
+            .all(|c| c["name"].is_string() && c["country"].is_string()));
+    }
+    let total: usize = want.iter().map(Vec::len).sum();
+    let streams = start_streams(&c.addr, reqs);
+    streams.wait_for(total / 4);
+    c.signal("w1", "-9");
+    let at = streams.progress.load(Ordering::Relaxed);
+    let results = streams.handle.join().unwrap();
+    assert!(at < total, "the kill came after the answers ({at} tokens)");
+    same_tokens(&results, &want, "kill -9 of the last stage");
+    eprintln!("killed the last stage at {at} of {total} tokens: the same answers");
+    let log = c.proc.log_text();
+    assert!(log.contains("starting it again"), "{log}");
+    assert!(
+        !log.contains("the replay sampled token"),
+        "a replay diverged\n{log}"
+    );
+}
