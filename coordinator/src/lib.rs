@@ -15,6 +15,7 @@ pub mod plan;
 pub mod recover;
 pub mod scheduler;
 mod service;
+mod tools;
 
 use anyhow::Context;
 use metrics::Metrics;

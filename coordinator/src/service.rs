@@ -5,7 +5,6 @@
 
 use crate::scheduler::{Event, NewSeq};
 use crate::{Registered, Shared};
-use omni_engine::chat::ChatMessage;
 use omni_engine::sampling::{Grammar, SamplingParams};
 use omni_proto::coordinator::v1::{
     generate_request::Prompt, inference_server, registry_server, GenerateEvent, GenerateRequest,
@@ -99,6 +98,8 @@ pub struct CancelOnDrop {
     inner: UnboundedReceiverStream<Result<GenerateEvent, Status>>,
     id: u64,
     events: omni_transport::BellSender<Event>,
+    /// A chat with tools: its calls are read out of the text.
+    calls: Option<crate::tools::ToolCalls>,
 }
 
 impl tokio_stream::Stream for CancelOnDrop {
@@ -107,7 +108,13 @@ impl tokio_stream::Stream for CancelOnDrop {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        std::pin::Pin::new(&mut self.inner).poll_next(cx)
+        let polled = std::pin::Pin::new(&mut self.inner).poll_next(cx);
+        match (polled, self.calls.as_mut()) {
+            (std::task::Poll::Ready(Some(Ok(ev))), Some(calls)) => {
+                std::task::Poll::Ready(Some(Ok(calls.map(ev))))
+            }
+            (polled, _) => polled,
+        }
     }
 }
 
@@ -141,7 +148,7 @@ impl inference_server::Inference for InferenceSvc {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let r = req.into_inner();
-        let prompt = self.prompt_ids(&r)?;
+        let (prompt, chat) = self.prompt_ids(&r)?;
         let n_ctx = shared.cfg.ctx;
         let max_tokens = if r.max_tokens == 0 {
             n_ctx.saturating_sub(prompt.len())
@@ -164,7 +171,19 @@ impl inference_server::Inference for InferenceSvc {
                 "token id {bad} is outside the vocabulary of {n_vocab} tokens"
             )));
         }
-        let params = sampling_params(r.sampling.as_ref())?;
+        let mut params = sampling_params(r.sampling.as_ref())?;
+        let (tool_grammar, calls) = chat.map_or((None, None), |c| (c.grammar, c.calls));
+        match (tool_grammar, &params.grammar) {
+            (Some(g), None) => params.grammar = Some(g),
+            // `auto` beside a response format: the format constrains the
+            // answer, and a call is still read from it if it makes one.
+            (Some(Grammar::Triggered { .. }), Some(_)) | (None, _) => {}
+            (Some(_), Some(_)) => {
+                return Err(Status::invalid_argument(
+                    "invalid grammar: tool_choice forces a tool call and response_format constrains the answer; give one of them",
+                ))
+            }
+        }
         params
             .validate(n_vocab)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -218,6 +237,7 @@ impl inference_server::Inference for InferenceSvc {
             inner: UnboundedReceiverStream::new(rx),
             id,
             events: events.clone(),
+            calls,
         };
         events
             .send(Event::New(Box::new(NewSeq {
@@ -256,17 +276,25 @@ impl inference_server::Inference for InferenceSvc {
 }
 
 impl InferenceSvc {
-    fn prompt_ids(&self, r: &GenerateRequest) -> Result<Vec<u32>, Status> {
+    /// The prompt's tokens and, for a chat with tools, what they ask of
+    /// the answer (see [`crate::tools`]).
+    fn prompt_ids(
+        &self,
+        r: &GenerateRequest,
+    ) -> Result<(Vec<u32>, Option<crate::tools::RenderedChat>), Status> {
         let shared = &self.0;
+        let encode = |t: &str, special: bool| {
+            shared
+                .tokenizer
+                .encode(t, true, special)
+                .map_err(|e| Status::invalid_argument(e.to_string()))
+        };
         match &r.prompt {
             None => Err(Status::invalid_argument(
                 "a request needs a prompt: text, ids or chat",
             )),
-            Some(Prompt::Ids(ids)) => Ok(ids.ids.clone()),
-            Some(Prompt::Text(t)) => shared
-                .tokenizer
-                .encode(t, true, false)
-                .map_err(|e| Status::invalid_argument(e.to_string())),
+            Some(Prompt::Ids(ids)) => Ok((ids.ids.clone(), None)),
+            Some(Prompt::Text(t)) => Ok((encode(t, false)?, None)),
             Some(Prompt::Chat(c)) => {
                 let template = shared.template.as_ref().ok_or_else(|| {
                     Status::failed_precondition("this model has no usable chat template")
@@ -274,21 +302,8 @@ impl InferenceSvc {
                 if c.messages.is_empty() {
                     return Err(Status::invalid_argument("chat messages are empty"));
                 }
-                let msgs: Vec<ChatMessage> = c
-                    .messages
-                    .iter()
-                    .map(|m| ChatMessage {
-                        role: m.role.clone(),
-                        content: m.content.clone(),
-                    })
-                    .collect();
-                let text = template
-                    .render(&msgs, true)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                shared
-                    .tokenizer
-                    .encode(&text, true, true)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))
+                let chat = crate::tools::render(c, template, &shared.tokenizer)?;
+                Ok((encode(&chat.text, true)?, Some(chat)))
             }
         }
     }

@@ -11,10 +11,40 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use std::sync::Arc;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The tool's (or participant's) name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of text alone.
+    pub fn text(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..ChatMessage::default()
+        }
+    }
+}
+
+/// One tool call of an assistant message, as templates see it
+/// (`{"id", "type": "function", "function": {"name", "arguments"}}` with the
+/// arguments an object, as transformers passes them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: serde_json::Value,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +66,7 @@ const CHATML: &str = "{% for message in messages %}\
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -57,9 +88,15 @@ impl ChatTemplate {
             .map_err(|e| ChatError::Syntax(describe(&e)))?;
         Ok(Self {
             env,
+            source: source.to_owned(),
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
         })
+    }
+
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// ChatML (`<|im_start|>role\ncontent<|im_end|>\n`), for models that ship no template.
@@ -73,13 +110,25 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// The same with `tools`: OpenAI's array of `{"type": "function",
+    /// "function": {...}}`, which is what transformers passes too.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
         let messages: Vec<Value> = messages.iter().cloned().map(Value::from_object).collect();
+        let tools = tools.map_or(Value::from(()), Value::from_serialize);
         let ctx = context! {
             messages,
             add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-            tools => (),
+            tools,
             documents => (),
         };
         let template = self
@@ -112,12 +161,36 @@ impl Object for ChatMessage {
         match key.as_str()? {
             "role" => Some(Value::from(self.role.as_str())),
             "content" => Some(Value::from(self.content.as_str())),
+            "tool_calls" if !self.tool_calls.is_empty() => Some(Value::from(
+                self.tool_calls
+                    .iter()
+                    .map(|c| {
+                        Value::from_serialize(serde_json::json!({
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }))
+                    })
+                    .collect::<Vec<_>>(),
+            )),
+            "tool_call_id" => self.tool_call_id.as_deref().map(Value::from),
+            "name" => self.name.as_deref().map(Value::from),
             _ => None,
         }
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        Enumerator::Str(&["role", "content"])
+        let mut keys = vec!["role", "content"];
+        if !self.tool_calls.is_empty() {
+            keys.push("tool_calls");
+        }
+        if self.tool_call_id.is_some() {
+            keys.push("tool_call_id");
+        }
+        if self.name.is_some() {
+            keys.push("name");
+        }
+        Enumerator::Values(keys.into_iter().map(Value::from).collect())
     }
 }
 

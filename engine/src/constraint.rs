@@ -18,6 +18,7 @@ use llguidance::{Matcher, ParserFactory};
 use crate::tokenizer::Tokenizer;
 
 pub use crate::sampling::Grammar;
+use crate::sampling::JSON_WHITESPACE;
 
 /// Why a grammar cannot be used, or a constraint failed.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +41,7 @@ impl Grammar {
             Grammar::JsonObject => "json_object",
             Grammar::JsonSchema { .. } => "JSON schema",
             Grammar::Lark { .. } => "Lark grammar",
+            Grammar::Triggered { grammar, .. } => grammar.what(),
         }
     }
 
@@ -60,22 +62,19 @@ impl Grammar {
                 )))
             }
             Grammar::Lark { grammar } => Ok(TopLevelGrammar::from_lark(grammar.clone())),
+            Grammar::Triggered { grammar, .. } => grammar.top_level(),
         }
     }
 }
 
-/// Whitespace between two JSON tokens: spaces, or one line break and an
-/// indentation (24 spaces or tabs at most), unless the schema says otherwise in
-/// llguidance's own `x-guidance` options. llguidance's default allows any
-/// run of it, and a model that would rather not go on fills the answer with
-/// blank lines to the token limit (seen on Qwen2.5-Coder 0.5B with a tool
-/// call's schema).
+/// Whitespace between two JSON tokens bounded ([`JSON_WHITESPACE`]) unless
+/// the schema says otherwise in llguidance's own `x-guidance` options.
 fn bounded_whitespace(schema: serde_json::Value) -> serde_json::Value {
     match schema {
         serde_json::Value::Object(mut o) if !o.contains_key("x-guidance") => {
             o.insert(
                 "x-guidance".into(),
-                serde_json::json!({"whitespace_pattern": r"[\x20\x09]{1,24}|\x0D?\x0A[\x20\x09]{0,24}"}),
+                serde_json::json!({ "whitespace_pattern": JSON_WHITESPACE }),
             );
             serde_json::Value::Object(o)
         }
@@ -152,10 +151,15 @@ impl Grammars {
                 why: e,
             });
         }
+        let waiting = match grammar {
+            Grammar::Triggered { token, .. } => Some(*token),
+            _ => None,
+        };
         Ok(Constraint {
             matcher,
             n_vocab: self.n_vocab,
             eos: self.eos,
+            waiting,
         })
     }
 }
@@ -166,6 +170,9 @@ pub struct Constraint {
     matcher: Matcher,
     n_vocab: usize,
     eos: u32,
+    /// A triggered grammar's token, until it is generated: nothing is
+    /// masked before (the matcher is compiled and waits).
+    waiting: Option<u32>,
 }
 
 impl Constraint {
@@ -173,6 +180,9 @@ impl Constraint {
     /// minus infinity. When the document is complete only the end token is
     /// allowed.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), ConstraintError> {
+        if self.waiting.is_some() {
+            return Ok(());
+        }
         let allowed = self
             .matcher
             .compute_mask_or_eos()
@@ -188,6 +198,12 @@ impl Constraint {
     /// Advances past the sampled token. Once the document is complete only
     /// the end token is accepted (and changes nothing).
     pub fn accept(&mut self, t: u32) -> Result<(), ConstraintError> {
+        if let Some(trigger) = self.waiting {
+            if t == trigger {
+                self.waiting = None;
+            }
+            return Ok(());
+        }
         if self.matcher.is_stopped() {
             return if t == self.eos {
                 Ok(())
@@ -211,6 +227,6 @@ impl Constraint {
     /// The document is complete and nothing more may follow (the answer
     /// ends here).
     pub fn is_done(&self) -> bool {
-        self.matcher.is_stopped()
+        self.waiting.is_none() && self.matcher.is_stopped()
     }
 }

@@ -14,6 +14,7 @@ pub mod device;
 pub mod error;
 pub mod gguf;
 pub mod sampling;
+pub mod tools;
 pub mod units;
 
 // The rest links ggml (the `ggml` feature, on by default): without it the crate is only

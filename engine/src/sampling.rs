@@ -42,6 +42,14 @@ pub struct SamplingParams {
     pub grammar: Option<Grammar>,
 }
 
+/// Whitespace between two JSON tokens in constrained output (llguidance's
+/// `x-guidance.whitespace_pattern`): spaces, or one line break and an
+/// indentation of 24 spaces or tabs at most. llguidance's default allows any
+/// run of it, and a model that would rather not go on fills the answer with
+/// blank lines to the token limit (seen on Qwen2.5-Coder 0.5B with a tool
+/// call's schema).
+pub const JSON_WHITESPACE: &str = r"[\x20\x09]{1,24}|\x0D?\x0A[\x20\x09]{0,24}";
+
 /// What a request constrains its output to. Plain data: it travels with the
 /// sampling settings to the stage that samples.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,6 +61,9 @@ pub enum Grammar {
     JsonSchema { schema: serde_json::Value },
     /// A grammar in llguidance's Lark syntax (a superset of Lark's).
     Lark { grammar: String },
+    /// Nothing is constrained until `token` is generated; from the token
+    /// after it on, `grammar` is (a tool call once the model opens one).
+    Triggered { token: u32, grammar: Box<Grammar> },
 }
 
 impl Default for SamplingParams {

@@ -6,10 +6,7 @@ const QWEN: &str = include_str!("data/qwen2_5_coder_chat_template.jinja");
 const GEMMA3: &str = include_str!("../templates/gemma3.jinja");
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    }
+    ChatMessage::text(role, content)
 }
 
 fn render(source: &str, messages: &[ChatMessage]) -> Result<String, ChatError> {
@@ -191,4 +188,49 @@ fn chatml_fallback_is_exact() {
         template.render(&messages[1..2], false).unwrap(),
         "<|im_start|>user\nHi<|im_end|>\n"
     );
+}
+
+/// Tools, an assistant's tool call and the tool's result through Qwen's own
+/// template, as transformers renders them: the tools listed in the system
+/// turn in the client's key order, the call as a `<tool_call>` block with
+/// its arguments as an object, the result as a `<tool_response>`.
+#[test]
+fn qwen_template_renders_tools_calls_and_results() {
+    let tools = serde_json::json!([{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        }
+    }]);
+    let call = ChatMessage {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: "call_1".into(),
+            name: "get_weather".into(),
+            arguments: serde_json::json!({"city": "Oslo"}),
+        }],
+        ..ChatMessage::default()
+    };
+    let result = ChatMessage {
+        tool_call_id: Some("call_1".into()),
+        ..msg("tool", "22C")
+    };
+    let template = ChatTemplate::new(QWEN, "", "<|im_end|>").unwrap();
+    let got = template
+        .render_with_tools(
+            &[msg("user", "Weather in Oslo?"), call, result],
+            Some(&tools),
+            true,
+        )
+        .unwrap();
+    let want = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n\
+{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n\
+</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n\
+<|im_start|>user\nWeather in Oslo?<|im_end|>\n\
+<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call><|im_end|>\n\
+<|im_start|>user\n<tool_response>\n22C\n</tool_response><|im_end|>\n\
+<|im_start|>assistant\n";
+    assert_eq!(got, want);
 }

@@ -20,13 +20,7 @@ fn engine() -> Engine {
 fn chat(e: &Engine, question: &str) -> Vec<u32> {
     let t = ChatTemplate::new(QWEN_TEMPLATE, "", "<|im_end|>").unwrap();
     let text = t
-        .render(
-            &[ChatMessage {
-                role: "user".into(),
-                content: question.into(),
-            }],
-            true,
-        )
+        .render(&[ChatMessage::text("user", question)], true)
         .unwrap();
     e.tokenizer.encode(&text, false, true).unwrap()
 }
@@ -196,4 +190,41 @@ fn bad_grammars_are_named() {
             "{g:?}: {err}"
         );
     }
+}
+
+/// A triggered grammar (how `tool_choice: auto` constrains a call once the
+/// model opens one) masks nothing until its token is generated, then all
+/// that follows fits the grammar.
+#[test]
+fn a_triggered_grammar_starts_at_its_token() {
+    let mut e = engine();
+    let prompt = chat(&e, "Is the sky green? Answer in one word.");
+    let free = e
+        .generate(&prompt, &GenerateOptions::default(), &mut |_| {})
+        .unwrap();
+    let first = free.ids[0];
+    let lark = Grammar::Lark {
+        grammar: r#"start: " maybe" " not""#.into(),
+    };
+    let g = run(
+        &mut e,
+        &prompt,
+        Grammar::Triggered {
+            token: first,
+            grammar: Box::new(lark.clone()),
+        },
+        8,
+    );
+    // The first token is the free answer's; the rest is the grammar's.
+    assert_eq!(g.ids[0], first);
+    let rest = e.tokenizer.decode(&g.ids[1..]);
+    assert!(rest.starts_with(" maybe not"), "{rest:?}");
+    assert_eq!(g.finish_reason, FinishReason::Stop);
+    // A trigger that never comes constrains nothing.
+    let never = Grammar::Triggered {
+        token: e.tokenizer.n_vocab() as u32 - 1,
+        grammar: Box::new(lark),
+    };
+    let g = run(&mut e, &prompt, never, free.ids.len());
+    assert_eq!(g.ids, free.ids);
 }

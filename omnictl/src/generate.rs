@@ -154,15 +154,9 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             let template = engine.model.chat_template()?;
             let mut msgs = Vec::new();
             if let Some(s) = &a.system {
-                msgs.push(ChatMessage {
-                    role: "system".into(),
-                    content: s.clone(),
-                });
+                msgs.push(ChatMessage::text("system", s));
             }
-            msgs.push(ChatMessage {
-                role: "user".into(),
-                content: text.clone(),
-            });
+            msgs.push(ChatMessage::text("user", text));
             let rendered = template.render(&msgs, true)?;
             engine.tokenize_prompt(&rendered, true)?
         }

@@ -68,6 +68,8 @@ fn wire_grammar(g: &omni_engine::sampling::Grammar) -> omni_proto::worker::v1::G
         Grammar::JsonObject => Kind::JsonObject(JsonObject {}),
         Grammar::JsonSchema { schema } => Kind::JsonSchema(schema.to_string()),
         Grammar::Lark { grammar } => Kind::Lark(grammar.clone()),
+        // (Tool calls' grammars are made by the coordinator.)
+        Grammar::Triggered { grammar, .. } => return wire_grammar(grammar),
     };
     omni_proto::worker::v1::Grammar { kind: Some(kind) }
 }
@@ -82,13 +84,18 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
                 messages.push(ChatMessage {
                     role: "system".into(),
                     content: s.clone(),
+                    ..Default::default()
                 });
             }
             messages.push(ChatMessage {
                 role: "user".into(),
                 content: text.clone(),
+                ..Default::default()
             });
-            Prompt::Chat(Chat { messages })
+            Prompt::Chat(Chat {
+                messages,
+                ..Default::default()
+            })
         }
         (None, Some(text)) => Prompt::Text(text.clone()),
         (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),

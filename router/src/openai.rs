@@ -19,10 +19,14 @@
 //!   llguidance's Lark syntax, not GBNF: a GBNF grammar is refused saying so). At most one
 //!   of the three; the coordinator compiles the schema or grammar and names what is wrong.
 //!
-//! Refused with a 400 rather than silently ignored, until a later issue adds them: `tools`,
-//! `tool_choice` (other than "none"/"auto" without tools), `functions`, `function_call`,
-//! tool messages and assistant tool calls,
-//! image/audio/file content parts, and for completions `echo`, `suffix` and `best_of`.
+//! - Tools: `tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and `tool`
+//!   messages go to the coordinator, which renders them with the model's template and
+//!   reads the calls out of the answer (`GenerateEvent.tool_calls`); here they become
+//!   `message.tool_calls` or `delta.tool_calls` chunks and `finish_reason: "tool_calls"`.
+//!
+//! Refused with a 400 rather than silently ignored: OpenAI's deprecated `functions` and
+//! `function_call` (send `tools`), image/audio/file content parts, and for completions
+//! `echo`, `suffix` and `best_of`.
 //! Unknown fields are ignored, as OpenAI-compatible servers do.
 
 use std::collections::hash_map::RandomState;
@@ -35,6 +39,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use omni_proto::coordinator::v1::generate_request::Prompt;
 use omni_proto::coordinator::v1::{
     Chat, ChatMessage, Done, FinishReason, GenerateEvent, GenerateRequest, Token, TokenIds,
+    ToolCall, ToolCallOut, ToolChoice,
 };
 use omni_proto::worker::v1::grammar::{JsonObject, Kind as GrammarKind};
 use omni_proto::worker::v1::{Grammar, LogitBias, Sampling};
@@ -319,6 +324,13 @@ fn status_param(msg: &str) -> Option<String> {
     if msg.starts_with("top_logprobs") {
         return Some("top_logprobs".into());
     }
+    // The coordinator's tool checks name the field first.
+    for field in ["tools", "tool_choice", "messages"] {
+        if msg.starts_with(field) {
+            let end = msg.find(|c: char| c.is_whitespace()).unwrap_or(msg.len());
+            return Some(msg[..end].to_string());
+        }
+    }
     // omni_engine's ConstraintError::Invalid: "invalid {what}: {why}".
     if msg.starts_with("invalid Lark grammar") {
         return Some("grammar".into());
@@ -425,6 +437,8 @@ pub struct ChatMessageParam {
     pub name: Option<String>,
     pub tool_calls: Option<Value>,
     pub function_call: Option<Value>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -458,9 +472,11 @@ pub struct ChatCompletionRequest {
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
-    // Refused until function calling exists.
+    /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    // OpenAI's deprecated forms of tools and tool_choice: refused, naming them.
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
     /// `{"type": "text" | "json_object" | "json_schema", ...}`.
@@ -945,34 +961,49 @@ impl ChatCompletionRequest {
     }
 
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
-        if !is_empty_value(&self.tools) {
-            return Err(ApiError::unsupported(
-                "tools",
-                "tools (function calling) are not supported yet; send the request without `tools`",
-            ));
-        }
-        if !is_empty_value(&self.functions) {
-            return Err(ApiError::unsupported(
-                "functions",
-                "functions (function calling) are not supported yet; send the request without `functions`",
-            ));
-        }
         for (param, v) in [
-            ("tool_choice", &self.tool_choice),
+            ("functions", &self.functions),
             ("function_call", &self.function_call),
         ] {
-            match v {
-                None | Some(Value::Null) => {}
-                Some(Value::String(s)) if s == "none" || s == "auto" => {}
-                Some(other) => {
-                    return Err(ApiError::unsupported(
-                        param,
-                        format!("{param} {other} is not supported yet: function calling comes later; use \"none\" or leave it out"),
-                    ))
-                }
+            if !is_empty_value(v) {
+                return Err(ApiError::unsupported(
+                    param,
+                    format!("{param} is OpenAI's deprecated form of tools; send `tools` and `tool_choice` instead"),
+                ));
             }
         }
         Ok(())
+    }
+
+    /// `tool_choice`: "auto", "none", "required" or `{"type": "function",
+    /// "function": {"name": ...}}` (whether the name is among the tools is
+    /// the coordinator's check).
+    fn tool_choice(&self) -> Result<(ToolChoice, String), ApiError> {
+        let bad = |what: String| {
+            ApiError::invalid(
+                "tool_choice",
+                format!("tool_choice is {what} but must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+            )
+        };
+        match &self.tool_choice {
+            None | Some(Value::Null) => Ok((ToolChoice::Auto, String::new())),
+            Some(Value::String(s)) => match s.as_str() {
+                "auto" => Ok((ToolChoice::Auto, String::new())),
+                "none" => Ok((ToolChoice::None, String::new())),
+                "required" => Ok((ToolChoice::Required, String::new())),
+                other => Err(bad(format!("\"{other}\""))),
+            },
+            Some(v @ Value::Object(o)) => {
+                let name = o
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .filter(|n| !n.is_empty())
+                    .ok_or_else(|| bad(v.to_string()))?;
+                Ok((ToolChoice::Function, name.to_string()))
+            }
+            Some(other) => Err(bad(kind_of(other).to_string())),
+        }
     }
 
     fn chat(&self) -> Result<Chat, ApiError> {
@@ -986,35 +1017,67 @@ impl ChatCompletionRequest {
         for (i, m) in self.messages.iter().enumerate() {
             let at = format!("messages[{i}]");
             let role = match m.role.as_str() {
-                "system" | "user" | "assistant" => m.role.as_str(),
+                "system" | "user" | "assistant" | "tool" => m.role.as_str(),
                 // OpenAI's newer name for system; chat templates know only "system".
                 "developer" => "system",
-                r @ ("tool" | "function") => {
+                "function" => {
                     return Err(ApiError::unsupported(
                         format!("{at}.role"),
-                        format!("{at}.role is \"{r}\": tool results are not supported yet (function calling comes later)"),
+                        format!("{at}.role is \"function\", OpenAI's deprecated form of a tool result; send it as a \"tool\" message with its tool_call_id"),
                     ))
                 }
                 r => {
                     return Err(ApiError::invalid(
                         format!("{at}.role"),
-                        format!("{at}.role is \"{r}\" but must be one of system, developer, user, assistant"),
+                        format!("{at}.role is \"{r}\" but must be one of system, developer, user, assistant, tool"),
                     ))
                 }
             };
-            if !is_empty_value(&m.tool_calls) || !is_empty_value(&m.function_call) {
+            if !is_empty_value(&m.function_call) {
                 return Err(ApiError::unsupported(
-                    format!("{at}.tool_calls"),
-                    format!("{at} has tool calls: function calling is not supported yet"),
+                    format!("{at}.function_call"),
+                    format!("{at}.function_call is OpenAI's deprecated form of tool_calls; send `tool_calls`"),
                 ));
             }
-            let content = content_text(m.content.as_ref(), &at, role == "assistant")?;
+            let tool_calls = tool_calls(m.tool_calls.as_ref(), &at)?;
+            let may_be_empty = role == "assistant" || role == "tool";
+            let content = content_text(m.content.as_ref(), &at, may_be_empty)?;
+            let tool_call_id = match (role, &m.tool_call_id) {
+                ("tool", Some(id)) => id.clone(),
+                ("tool", None) => {
+                    return Err(ApiError::invalid(
+                        format!("{at}.tool_call_id"),
+                        format!("{at} is a tool result without `tool_call_id`; give the id of the call it answers"),
+                    ))
+                }
+                _ => String::new(),
+            };
             messages.push(ChatMessage {
                 role: role.to_string(),
                 content,
+                tool_calls,
+                tool_call_id,
+                name: m.name.clone().unwrap_or_default(),
             });
         }
-        Ok(Chat { messages })
+        let (tool_choice, tool_choice_function) = self.tool_choice()?;
+        let tools_json = match &self.tools {
+            Some(t @ Value::Array(a)) if !a.is_empty() => t.to_string(),
+            None | Some(Value::Null) | Some(Value::Array(_)) => String::new(),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!("tools is {} but must be an array of {{\"type\": \"function\", \"function\": {{...}}}}", kind_of(other)),
+                ))
+            }
+        };
+        Ok(Chat {
+            messages,
+            tools_json,
+            tool_choice: tool_choice as i32,
+            tool_choice_function,
+            parallel_tool_calls: self.parallel_tool_calls,
+        })
     }
 
     /// Checks every field; the same checks [`Self::to_generate`] makes.
@@ -1059,6 +1122,56 @@ impl ChatCompletionRequest {
             request_id: String::new(),
         })
     }
+}
+
+/// An assistant message's `tool_calls`, as the coordinator takes them.
+fn tool_calls(v: Option<&Value>, at: &str) -> Result<Vec<ToolCall>, ApiError> {
+    let list = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(l)) => l,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("{at}.tool_calls"),
+                format!("{at}.tool_calls is {} but must be an array", kind_of(other)),
+            ))
+        }
+    };
+    list.iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let param = format!("{at}.tool_calls[{j}]");
+            let f = c
+                .get("function")
+                .ok_or_else(|| ApiError::invalid(&param, format!("{param} has no `function`")))?;
+            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::invalid(&param, format!("{param}.function has no `name`"))
+            })?;
+            // A string of JSON, as OpenAI sends it (an object is taken too).
+            let arguments = match f.get("arguments") {
+                None | Some(Value::Null) => "{}".to_string(),
+                Some(Value::String(s)) => s.clone(),
+                Some(o @ Value::Object(_)) => o.to_string(),
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        &param,
+                        format!(
+                            "{param}.function.arguments is {} but must be a string of JSON",
+                            kind_of(other)
+                        ),
+                    ))
+                }
+            };
+            Ok(ToolCall {
+                id: c
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+                name: name.to_string(),
+                arguments,
+            })
+        })
+        .collect()
 }
 
 /// A token id in a completions prompt.
@@ -1292,6 +1405,7 @@ pub fn sse_data<T: Serialize + ?Sized>(value: &T) -> String {
 pub fn finish_reason(reason: i32) -> &'static str {
     match FinishReason::try_from(reason) {
         Ok(FinishReason::Length) => "length",
+        Ok(FinishReason::ToolCalls) => "tool_calls",
         _ => "stop",
     }
 }
@@ -1310,11 +1424,13 @@ pub struct Generated {
     pub text: String,
     pub tokens: Vec<Token>,
     pub done: Option<Done>,
+    pub tool_calls: Vec<ToolCallOut>,
 }
 
 impl Generated {
     pub fn push(&mut self, ev: &GenerateEvent) {
         self.text.push_str(&ev.text);
+        self.tool_calls.extend(ev.tool_calls.iter().cloned());
         self.tokens.extend(ev.tokens.iter().cloned());
         if ev.done.is_some() {
             self.done = ev.done;
@@ -1467,11 +1583,66 @@ pub fn completion_logprobs(
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the answer is tool calls alone, as OpenAI sends it.
+    pub content: Option<String>,
     pub refusal: Option<String>,
     /// URL citations and the like; omni produces none, but clients and
     /// validators expect the field.
     pub annotations: Vec<serde_json::Value>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallJson>,
+}
+
+/// A tool call as OpenAI sends it (in a message, or as a stream delta: the
+/// first delta of a call has its id and name, later ones argument text).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallJson {
+    /// Only in stream deltas.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionJson,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionJson {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
+}
+
+impl ToolCallJson {
+    fn whole(c: &ToolCallOut) -> ToolCallJson {
+        ToolCallJson {
+            index: None,
+            id: Some(c.id.clone()),
+            kind: Some("function"),
+            function: FunctionJson {
+                name: Some(c.name.clone()),
+                arguments: c.arguments.clone(),
+            },
+        }
+    }
+
+    /// A call's stream deltas: id and name first, then its arguments.
+    fn deltas(c: &ToolCallOut) -> [ToolCallJson; 2] {
+        let mut first = ToolCallJson::whole(c);
+        first.index = Some(c.index);
+        first.function.arguments = String::new();
+        let args = ToolCallJson {
+            index: Some(c.index),
+            id: None,
+            kind: None,
+            function: FunctionJson {
+                name: None,
+                arguments: c.arguments.clone(),
+            },
+        };
+        [first, args]
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -1512,9 +1683,11 @@ impl ChatCompletion {
                 index: i as u32,
                 message: AssistantMessage {
                     role: "assistant",
-                    content: g.text.clone(),
+                    content: (g.tool_calls.is_empty() || !g.text.trim().is_empty())
+                        .then(|| g.text.clone()),
                     refusal: None,
                     annotations: Vec::new(),
+                    tool_calls: g.tool_calls.iter().map(ToolCallJson::whole).collect(),
                 },
                 logprobs: logprobs.then(|| chat_logprobs(&g.tokens, &token_text)),
                 finish_reason: g.finish_reason(),
@@ -1595,6 +1768,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallJson>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -1658,6 +1833,7 @@ impl ChatStream {
             delta: ChatDelta {
                 role: Some("assistant"),
                 content: Some(String::new()),
+                ..ChatDelta::default()
             },
             logprobs: None,
             finish_reason: None,
@@ -1675,6 +1851,7 @@ impl ChatStream {
             delta: ChatDelta {
                 role: None,
                 content: Some(text.to_string()),
+                ..ChatDelta::default()
             },
             logprobs,
             finish_reason: None,
@@ -1711,6 +1888,19 @@ impl ChatStream {
             (self.logprobs && !ev.tokens.is_empty()).then(|| chat_logprobs(&ev.tokens, token_text));
         if !ev.text.is_empty() || logprobs.is_some() {
             out.push(self.content(index, &ev.text, logprobs));
+        }
+        for call in &ev.tool_calls {
+            for d in ToolCallJson::deltas(call) {
+                out.push(self.chunk(vec![ChatChunkChoice {
+                    index,
+                    delta: ChatDelta {
+                        tool_calls: vec![d],
+                        ..ChatDelta::default()
+                    },
+                    logprobs: None,
+                    finish_reason: None,
+                }]));
+            }
         }
         if let Some(done) = &ev.done {
             out.push(self.finish(index, finish_reason(done.finish_reason)));

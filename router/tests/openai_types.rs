@@ -8,7 +8,7 @@ use std::task::{Context, Poll, Waker};
 use axum::response::IntoResponse;
 use omni_proto::coordinator::v1::generate_request::Prompt;
 use omni_proto::coordinator::v1::{
-    ChatMessage, Done, FinishReason, GenerateEvent, GenerateRequest, Token,
+    ChatMessage, Done, FinishReason, GenerateEvent, GenerateRequest, Token, ToolCallOut, ToolChoice,
 };
 use omni_proto::worker::v1::grammar::{JsonObject, Kind};
 use omni_proto::worker::v1::{LogitBias, TopLogprob};
@@ -108,13 +108,16 @@ fn streaming_chat_request_from_the_python_client() {
             messages: vec![
                 ChatMessage {
                     role: "system".into(),
-                    content: "You are a helpful assistant.".into()
+                    content: "You are a helpful assistant.".into(),
+                    ..Default::default()
                 },
                 ChatMessage {
                     role: "user".into(),
-                    content: "Hello!".into()
+                    content: "Hello!".into(),
+                    ..Default::default()
                 },
-            ]
+            ],
+            ..Default::default()
         }))
     );
     // No limit asked: 0, "until the context is full".
@@ -485,7 +488,7 @@ fn out_of_range_values_name_the_field_and_the_limit() {
         (
             json!({"messages": [{"role": "wizard", "content": "hi"}]}),
             "messages[0].role",
-            "messages[0].role is \"wizard\" but must be one of system, developer, user, assistant",
+            "messages[0].role is \"wizard\" but must be one of system, developer, user, assistant, tool",
         ),
         (
             json!({"messages": [{"role": "system", "content": "x"}, {"role": "user"}]}),
@@ -534,7 +537,7 @@ fn edges_of_the_ranges_are_accepted() {
 }
 
 #[test]
-fn tools_are_refused_until_function_calling_lands() {
+fn tools_and_tool_results_reach_the_coordinator() {
     let weather_tool = json!([{
         "type": "function",
         "function": {
@@ -543,46 +546,107 @@ fn tools_are_refused_until_function_calling_lands() {
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}
         }
     }]);
+    let g = chat(chat_with(json!({
+        "tools": weather_tool,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": false,
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "22C"}
+        ]
+    })))
+    .unwrap();
+    let Some(Prompt::Chat(c)) = g.prompt else {
+        panic!("a chat")
+    };
+    assert_eq!(
+        serde_json::from_str::<Value>(&c.tools_json).unwrap(),
+        weather_tool
+    );
+    assert_eq!(c.tool_choice, ToolChoice::Function as i32);
+    assert_eq!(c.tool_choice_function, "get_weather");
+    assert_eq!(c.parallel_tool_calls, Some(false));
+    assert_eq!(
+        c.messages[1].tool_calls[0].arguments,
+        "{\"city\": \"Oslo\"}"
+    );
+    assert_eq!(c.messages[2].tool_call_id, "c1");
+    for (choice, want) in [
+        (json!("required"), ToolChoice::Required),
+        (json!("none"), ToolChoice::None),
+        (json!("auto"), ToolChoice::Auto),
+    ] {
+        let g = chat(chat_with(
+            json!({"tools": weather_tool, "tool_choice": choice}),
+        ))
+        .unwrap();
+        let Some(Prompt::Chat(c)) = g.prompt else {
+            panic!("a chat")
+        };
+        assert_eq!(c.tool_choice, want as i32);
+    }
+}
+
+#[test]
+fn bad_tool_fields_and_deprecated_functions_are_400() {
     let cases = [
-        (json!({ "tools": weather_tool }), "tools"),
-        (json!({"tool_choice": "required"}), "tool_choice"),
+        (json!({"tools": {"a": 1}}), "tools", "must be an array"),
         (
-            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            json!({"tool_choice": "always"}),
             "tool_choice",
+            "\"always\"",
+        ),
+        (
+            json!({"tool_choice": {"type": "function"}}),
+            "tool_choice",
+            "must be",
         ),
         (
             json!({"functions": [{"name": "f", "parameters": {}}]}),
             "functions",
-        ),
-        (json!({"function_call": {"name": "f"}}), "function_call"),
-        (
-            json!({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "22C"}]}),
-            "messages[0].role",
+            "deprecated",
         ),
         (
-            json!({"messages": [
-                {"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
-            ]}),
-            "messages[1].tool_calls",
+            json!({"function_call": {"name": "f"}}),
+            "function_call",
+            "deprecated",
+        ),
+        (
+            json!({"messages": [{"role": "tool", "content": "22C"}]}),
+            "messages[0].tool_call_id",
+            "without `tool_call_id`",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"arguments": "{}"}}]}]}),
+            "messages[0].tool_calls[0]",
+            "no `name`",
         ),
     ];
-    for (patch, param) in cases {
+    for (patch, param, says) in cases {
         let e = chat(chat_with(patch.clone())).unwrap_err();
-        assert_eq!(e.status, 400, "{patch}");
-        assert_eq!(e.param.as_deref(), Some(param), "{patch}");
-        assert_eq!(e.code, Some("unsupported_parameter"), "{patch}");
-        assert!(
-            e.message.contains("not supported yet"),
-            "{patch}: {}",
-            e.message
+        assert_eq!(
+            (e.status, e.param.as_deref()),
+            (400, Some(param)),
+            "{patch}"
         );
+        assert!(e.message.contains(says), "{patch}: {}", e.message);
     }
-    // What asks for no tools and plain text goes through.
-    chat(chat_with(json!({
-        "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-    })))
-    .unwrap();
+    // The coordinator's verdicts on tools name their fields.
+    for (msg, param) in [
+        (
+            "tool_choice names the function \"x\", which is not among the tools (a)",
+            "tool_choice",
+        ),
+        ("tools[0].function has no `name`", "tools[0].function"),
+        (
+            "messages[1].tool_calls[0].function.arguments is not JSON: x",
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+    ] {
+        let e = from_status(&tonic::Status::invalid_argument(msg));
+        assert_eq!(e.param.as_deref(), Some(param), "{msg}");
+    }
 }
 
 /// The grammar a request's structured-output fields send to the coordinator.
@@ -964,12 +1028,14 @@ fn two_choices() -> Vec<Generated> {
         tokens: vec![token(0, -0.5, &[(0, -0.5), (2, -1.5)])],
         text: "Hel".into(),
         done: None,
+        ..Default::default()
     });
     a.push(&GenerateEvent {
         prompt_ids: vec![],
         tokens: vec![token(1, -0.25, &[(1, -0.25), (3, -2.0)])],
         text: "lo".into(),
         done: Some(done(FinishReason::Length, 5, 2)),
+        ..Default::default()
     });
     let mut b = Generated::default();
     b.push(&GenerateEvent {
@@ -980,6 +1046,7 @@ fn two_choices() -> Vec<Generated> {
         ],
         text: " world".into(),
         done: Some(done(FinishReason::Stop, 5, 2)),
+        ..Default::default()
     });
     vec![a, b]
 }
@@ -1110,6 +1177,7 @@ fn chat_stream_chunks_with_usage() {
             tokens: vec![token(0, -0.5, &[])],
             text: "Hel".into(),
             done: None,
+            ..Default::default()
         },
         text_of,
     ));
@@ -1122,6 +1190,7 @@ fn chat_stream_chunks_with_usage() {
                 tokens: vec![token(1, -0.5, &[])],
                 text: String::new(),
                 done: None,
+                ..Default::default()
             },
             text_of,
         )
@@ -1133,6 +1202,7 @@ fn chat_stream_chunks_with_usage() {
             tokens: vec![token(1, -0.5, &[])],
             text: "lo".into(),
             done: Some(done(FinishReason::Stop, 2, 2)),
+            ..Default::default()
         },
         text_of,
     ));
@@ -1188,6 +1258,7 @@ fn chat_stream_without_usage_has_no_usage_key() {
             tokens: vec![token(4, -0.1, &[(4, -0.1)])],
             text: "é".into(),
             done: Some(done(FinishReason::Length, 3, 1)),
+            ..Default::default()
         },
         text_of,
     );
@@ -1217,6 +1288,7 @@ fn completion_stream_chunks() {
             tokens: vec![token(0, -0.5, &[(0, -0.5)]), token(1, -0.7, &[])],
             text: "Hello".into(),
             done: None,
+            ..Default::default()
         },
         text_of,
     );
@@ -1227,6 +1299,7 @@ fn completion_stream_chunks() {
             tokens: vec![token(2, -0.3, &[])],
             text: " wor".into(),
             done: Some(done(FinishReason::Length, 1, 3)),
+            ..Default::default()
         },
         text_of,
     ));
@@ -1285,4 +1358,56 @@ fn models_list_json() {
             {"id": "auto", "object": "model", "created": 1_700_000_000, "owned_by": "omni"},
         ]})
     );
+}
+
+/// An answer of tool calls as OpenAI sends it: `content` null, the calls
+/// with ids and their arguments as a string, `finish_reason: "tool_calls"`;
+/// streamed, each call as two deltas (index, id, type and name, then the
+/// arguments).
+#[test]
+fn tool_calls_in_responses_and_stream_deltas() {
+    let call = ToolCallOut {
+        index: 0,
+        id: "call_abc".into(),
+        name: "get_weather".into(),
+        arguments: "{\"city\":\"Oslo\"}".into(),
+    };
+    let ev = GenerateEvent {
+        tokens: vec![token(0, -0.1, &[])],
+        tool_calls: vec![call.clone()],
+        done: Some(done(FinishReason::ToolCalls, 5, 12)),
+        ..Default::default()
+    };
+    let mut g = Generated::default();
+    g.push(&ev);
+    let body = json_of(&ChatCompletion::build(
+        "id".into(),
+        1,
+        "qwen",
+        &[g],
+        false,
+        text_of,
+    ));
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    assert_eq!(
+        choice["message"]["tool_calls"],
+        json!([{"id": "call_abc", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}])
+    );
+
+    let s = ChatStream::new("qwen", false, false);
+    let chunks: Vec<Value> = s.event(0, &ev, text_of).iter().map(json_of).collect();
+    assert_eq!(chunks.len(), 3, "{chunks:?}");
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"tool_calls": [{"index": 0, "id": "call_abc", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]})
+    );
+    assert_eq!(
+        chunks[1]["choices"][0]["delta"],
+        json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":\"Oslo\"}"}}]})
+    );
+    assert_eq!(chunks[2]["choices"][0]["finish_reason"], "tool_calls");
 }

@@ -2,6 +2,7 @@
 against a real cluster serving Gemma 3 270M. Started by
 tests/tests/openai_python.rs, which passes the base URL and the API key."""
 
+import json
 import os
 
 import openai
@@ -126,12 +127,46 @@ def test_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=4)
     assert "context" in str(e.value)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+            max_tokens=4,
         )
+    assert e.value.body["param"] == "tool_choice", e.value.body
     bad = openai.OpenAI(base_url=BASE, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_tools_on_a_template_without_tool_support(client):
+    # Gemma's template knows no tools: they are described in a system
+    # message and the answer is constrained to the generic JSON envelope.
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 20}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=tools,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert c.message.tool_calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(c.message.tool_calls[0].function.arguments)["city"], str)

@@ -38,10 +38,11 @@ fn official_openai_client_against_a_real_cluster() {
     pytest(&py, "test_openai_client.py", &cluster, &router, &addr);
 }
 
-/// Structured output (tests/python/qwen): the official client and
-/// LangChain against the instruction-tuned Qwen model on two stages.
+/// Structured output and tool calling (tests/python/qwen): the official
+/// client and LangChain against the instruction-tuned Qwen model on two
+/// stages.
 #[test]
-fn structured_output_with_the_official_client_and_langchain() {
+fn structured_output_and_tools_with_the_official_client_and_langchain() {
     let py = venv_tool("python");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (cluster, router, addr, _dir) = serve(QWEN, "qwen2.5-coder-0.5b", 2048);
@@ -75,13 +76,13 @@ fn pytest(py: &std::path::Path, what: &str, cluster: &Cluster, router: &Proc, ad
     );
 }
 
-/// `llm-comply --format openai-chat` passes every check except the two this
-/// release refuses on purpose with a clear 400: tool calling (a later issue)
-/// and image input. Its requests set no max_tokens and expect the model to
+/// `llm-comply --format openai-chat` passes every check, Tool Calling
+/// included, except image input, which this release refuses on purpose
+/// with a clear 400. Its requests set no max_tokens and expect the model to
 /// stop by itself, so this runs the instruction-tuned Qwen model (the Gemma
 /// file here is a base model that rarely stops before the context is full).
 #[test]
-fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
+fn llm_comply_openai_chat_passes_every_check_but_images() {
     let comply = venv_tool("llm-comply");
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (cluster, router, addr, _dir) = serve(QWEN, "qwen2.5-coder-0.5b", 2048);
@@ -110,7 +111,7 @@ fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
         }
         if l.starts_with(['\u{274c}', '\u{26a0}', '\u{2717}']) {
             assert!(
-                l.contains("Tool Calling") || l.contains("Image Input"),
+                l.contains("Image Input"),
                 "llm-comply check failed: {l}\n{report}\n{}\n{}",
                 router.log_text(),
                 cluster.logs()
@@ -120,5 +121,11 @@ fn llm_comply_openai_chat_passes_every_check_without_tools_or_images() {
     assert!(
         checks >= 5,
         "expected the passing checks to be listed:\n{report}"
+    );
+    assert!(
+        report
+            .lines()
+            .any(|l| l.trim().starts_with(['\u{2705}', '\u{2713}']) && l.contains("Tool Calling")),
+        "the Tool Calling check did not pass:\n{report}"
     );
 }

@@ -327,7 +327,9 @@ fn a_constrained_answer_survives_kill_9_of_the_stage_that_holds_its_grammar() {
             messages: vec![ChatMessage {
                 role: "user".into(),
                 content: format!("Name three {what} cities and their countries, as JSON."),
+                ..Default::default()
             }],
+            ..Default::default()
         })),
         max_tokens: 200,
         sampling: Some(Sampling {

@@ -33,7 +33,7 @@
 //!   router answers client mistakes with clear 4xx (400, 401, 404, 405, 413, 415, 429) and
 //!   503/504 when the cluster cannot serve; `openai_error_shape` checks those bodies instead.
 //!   `positive_data_acceptance`, because the router refuses some valid requests on purpose,
-//!   with a 400 that says why: tools and function calling, schemas and grammars that do not compile,
+//!   with a 400 that says why: the deprecated `functions`, schemas and grammars that do not compile,
 //!   image and audio input, `n` above 16, several prompts in one request, a null prompt,
 //!   `echo`, `suffix`, `best_of`, and conversations the model's chat template refuses.
 //!   `negative_data_rejection`, because the router reads `null` as an absent field, an empty
