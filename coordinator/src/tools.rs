@@ -99,6 +99,9 @@ pub fn render(
         });
     }
     let parallel = chat.parallel_tool_calls.unwrap_or(true);
+    // A call held to its shape from the first token streams its arguments
+    // as they are written; otherwise each call goes out once it is whole.
+    let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
     let token = |marker: &str| -> Option<(u32, bool)> {
         let ids = tok.encode(marker, false, true).ok()?;
         (ids.len() == 1).then(|| (ids[0], tok.plain_piece(ids[0]).is_empty()))
@@ -106,7 +109,7 @@ pub fn render(
     Ok(RenderedChat {
         text,
         grammar: tools::call_grammar(format, &tools, &choice, parallel, &token),
-        calls: Some(ToolCalls::new(format, parallel)),
+        calls: Some(ToolCalls::new(format, parallel, forced)),
     })
 }
 
@@ -182,15 +185,23 @@ fn generic_history(msgs: &mut Vec<ChatMessage>, tools: &[tools::Tool]) {
 pub struct ToolCalls {
     parser: CallParser,
     parallel: bool,
+    /// Calls given out (and ended).
     count: u32,
+    /// The call being streamed is past the first, without parallel calls.
+    skipping: bool,
 }
 
 impl ToolCalls {
-    fn new(format: ToolFormat, parallel: bool) -> ToolCalls {
+    fn new(format: ToolFormat, parallel: bool, streaming: bool) -> ToolCalls {
         ToolCalls {
-            parser: CallParser::new(format),
+            parser: if streaming {
+                CallParser::streaming(format)
+            } else {
+                CallParser::new(format)
+            },
             parallel,
             count: 0,
+            skipping: false,
         }
     }
 
@@ -216,6 +227,21 @@ impl ToolCalls {
                     });
                     self.count += 1;
                 }
+                Piece::CallStart { .. } if !self.parallel && self.count > 0 => self.skipping = true,
+                Piece::CallStart { name } => ev.tool_calls.push(ToolCallOut {
+                    index: self.count,
+                    id: call_id(),
+                    name,
+                    arguments: String::new(),
+                }),
+                Piece::CallArgs(_) if self.skipping => {}
+                Piece::CallArgs(arguments) => ev.tool_calls.push(ToolCallOut {
+                    index: self.count,
+                    arguments,
+                    ..ToolCallOut::default()
+                }),
+                Piece::CallEnd if self.skipping => self.skipping = false,
+                Piece::CallEnd => self.count += 1,
             }
         }
         if let Some(done) = ev.done.as_mut() {

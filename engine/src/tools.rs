@@ -345,7 +345,120 @@ pub struct ParsedCall {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
     Text(String),
+    /// A whole call, read once it was complete.
     Call(ParsedCall),
+    /// A call streamed as it is written (see [`CallParser::streaming`]):
+    /// its name, then its arguments' text in pieces, then its end.
+    CallStart {
+        name: String,
+    },
+    CallArgs(String),
+    CallEnd,
+}
+
+/// Where a streamed call's arguments end: a JSON value scanned a byte at a
+/// time (strings and escapes respected).
+#[derive(Default)]
+struct ArgScan {
+    depth: u32,
+    in_string: bool,
+    escape: bool,
+    done: bool,
+}
+
+impl ArgScan {
+    /// Bytes of `s` that belong to the value (all of them unless it ends
+    /// inside `s`).
+    fn feed(&mut self, s: &str) -> usize {
+        for (i, &c) in s.as_bytes().iter().enumerate() {
+            if self.in_string {
+                match (self.escape, c) {
+                    (true, _) => self.escape = false,
+                    (false, b'\\') => self.escape = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => self.depth += 1,
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        self.done = true;
+                        return i + 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        s.len()
+    }
+}
+
+/// The start of a Hermes call body up to its arguments' value:
+/// `{"name": "NAME", "arguments": `.
+enum Head {
+    /// What is there fits; more is needed.
+    Need,
+    /// It does not look like that (read the call whole instead).
+    No,
+    Yes {
+        name: String,
+        used: usize,
+    },
+}
+
+fn hermes_head(s: &str) -> Head {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    // Each literal in turn; running out of input part-way is `Need`.
+    let lit = |i: &mut usize, l: &[u8]| -> Option<bool> {
+        let n = l.len().min(b.len() - *i);
+        if b[*i..*i + n] != l[..n] {
+            return Some(false);
+        }
+        *i += n;
+        (n == l.len()).then_some(true)
+    };
+    for step in [&b"{"[..], b"\"name\"", b":", b"\""] {
+        ws(&mut i);
+        match lit(&mut i, step) {
+            Some(true) => {}
+            Some(false) => return Head::No,
+            None => return Head::Need,
+        }
+    }
+    let Some(end) = s[i..].find('"') else {
+        return Head::Need;
+    };
+    let name = &s[i..i + end];
+    if name.contains('\\') || name.is_empty() {
+        return Head::No;
+    }
+    i += end + 1;
+    for step in [&b","[..], b"\"arguments\"", b":"] {
+        ws(&mut i);
+        match lit(&mut i, step) {
+            Some(true) => {}
+            Some(false) => return Head::No,
+            None => return Head::Need,
+        }
+    }
+    ws(&mut i);
+    if i >= b.len() {
+        return Head::Need;
+    }
+    Head::Yes {
+        name: name.to_string(),
+        used: i,
+    }
 }
 
 /// Splits streamed output into text and tool calls. Text before a call's
@@ -363,6 +476,10 @@ pub struct CallParser {
     started: bool,
     /// What is held is the whole answer, which started like a call.
     whole: bool,
+    /// Stream Hermes calls' arguments as they are written.
+    stream: bool,
+    /// The arguments of the call being streamed.
+    args: Option<ArgScan>,
 }
 
 impl CallParser {
@@ -373,6 +490,20 @@ impl CallParser {
             holding: false,
             started: false,
             whole: false,
+            stream: false,
+            args: None,
+        }
+    }
+
+    /// A parser that gives out a Hermes call's name as soon as it is
+    /// written and its arguments as they come ([`Piece::CallStart`],
+    /// [`Piece::CallArgs`], [`Piece::CallEnd`]). Only for output a grammar
+    /// holds to `{"name": ..., "arguments": ...}` from the call's first
+    /// token (what is given out cannot be taken back).
+    pub fn streaming(format: ToolFormat) -> CallParser {
+        CallParser {
+            stream: format == ToolFormat::Hermes,
+            ..CallParser::new(format)
         }
     }
 
@@ -402,6 +533,16 @@ impl CallParser {
         self.buf.push_str(text);
         let mut out = Vec::new();
         loop {
+            if self.holding && self.stream && !self.whole {
+                match self.stream_call(&mut out) {
+                    Some(true) => {
+                        self.holding = false;
+                        continue;
+                    }
+                    Some(false) => break,
+                    None => self.stream = false, // read it whole
+                }
+            }
             if self.holding {
                 match self.take_call() {
                     Some(pieces) => {
@@ -459,6 +600,12 @@ impl CallParser {
     /// The end of the output: what is held is parsed, or given out as text.
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
+        if self.args.take().is_some() {
+            // A streamed call cut off (or never closed): it ends here.
+            self.holding = false;
+            self.buf.clear();
+            out.push(Piece::CallEnd);
+        }
         if self.holding {
             self.holding = false;
             let held = std::mem::take(&mut self.buf);
@@ -488,6 +635,42 @@ impl CallParser {
             Some(Piece::Text(t)) => t.push_str(&text),
             _ => out.push(Piece::Text(text)),
         }
+    }
+
+    /// Streams the call at the start of the buffer: Some(true) when it
+    /// ended, Some(false) when more is needed, None when it does not start
+    /// as expected (nothing was given out).
+    fn stream_call(&mut self, out: &mut Vec<Piece>) -> Option<bool> {
+        if self.args.is_none() {
+            let after = self.buf.strip_prefix(HERMES_OPEN)?;
+            match hermes_head(after) {
+                Head::Need => return Some(false),
+                Head::No => return None,
+                Head::Yes { name, used } => {
+                    self.buf.drain(..HERMES_OPEN.len() + used);
+                    out.push(Piece::CallStart { name });
+                    self.args = Some(ArgScan::default());
+                }
+            }
+        }
+        let scan = self.args.as_mut().expect("set above");
+        if !scan.done {
+            let n = scan.feed(&self.buf);
+            let frag: String = self.buf.drain(..n).collect();
+            if !frag.is_empty() {
+                out.push(Piece::CallArgs(frag));
+            }
+            if !scan.done {
+                return Some(false);
+            }
+        }
+        let Some(end) = self.buf.find(HERMES_CLOSE) else {
+            return Some(false);
+        };
+        self.buf.drain(..end + HERMES_CLOSE.len());
+        self.args = None;
+        out.push(Piece::CallEnd);
+        Some(true)
     }
 
     /// A complete call at the start of the buffer, taken out and parsed;
@@ -808,6 +991,57 @@ mod tests {
             parse(ToolFormat::Hermes, "Here: {\"name\": \"f\"}", 4),
             vec![text("Here: {\"name\": \"f\"}")]
         );
+    }
+
+    #[test]
+    fn constrained_hermes_calls_stream_their_arguments() {
+        let out = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa}ris\", \"n\": [1, {\"x\": \"\\\"\"}]}}\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
+        for step in [1, 3, 1000] {
+            let mut p = CallParser::streaming(ToolFormat::Hermes);
+            let mut got = Vec::new();
+            let mut rest = out;
+            while !rest.is_empty() {
+                let n = step.min(rest.len());
+                got.extend(p.push(&rest[..n]));
+                rest = &rest[n..];
+            }
+            got.extend(p.finish());
+            // Name first, then argument pieces that add up to the JSON.
+            let mut calls: Vec<(String, String)> = Vec::new();
+            let mut open = false;
+            for g in &got {
+                match g {
+                    Piece::CallStart { name } => {
+                        assert!(!open);
+                        open = true;
+                        calls.push((name.clone(), String::new()));
+                    }
+                    Piece::CallArgs(a) => calls.last_mut().unwrap().1.push_str(a),
+                    Piece::CallEnd => open = false,
+                    Piece::Text(t) => assert!(t.trim().is_empty(), "{t:?}"),
+                    Piece::Call(c) => panic!("read whole: {c:?}"),
+                }
+            }
+            assert!(!open);
+            assert_eq!(calls.len(), 2, "step {step}: {got:?}");
+            assert_eq!(calls[0].0, "get_weather");
+            let v: Value = serde_json::from_str(&calls[0].1).unwrap();
+            assert_eq!(v, json!({"city": "Pa}ris", "n": [1, {"x": "\""}]}));
+            assert_eq!((calls[1].0.as_str(), calls[1].1.as_str()), ("f", "{}"));
+            if step == 1 {
+                assert!(
+                    got.iter()
+                        .filter(|g| matches!(g, Piece::CallArgs(_)))
+                        .count()
+                        > 10
+                );
+            }
+        }
+        // Something else inside the tags is read whole.
+        let mut p = CallParser::streaming(ToolFormat::Hermes);
+        let mut got = p.push("<tool_call>\n{\"arguments\": {}, \"name\": \"f\"}\n</tool_call>");
+        got.extend(p.finish());
+        assert_eq!(got, vec![call("f", json!({}))]);
     }
 
     #[test]

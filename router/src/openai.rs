@@ -1430,7 +1430,13 @@ pub struct Generated {
 impl Generated {
     pub fn push(&mut self, ev: &GenerateEvent) {
         self.text.push_str(&ev.text);
-        self.tool_calls.extend(ev.tool_calls.iter().cloned());
+        for c in &ev.tool_calls {
+            // A call's later pieces carry more of its arguments.
+            match self.tool_calls.iter_mut().find(|t| t.index == c.index) {
+                Some(t) if c.name.is_empty() => t.arguments.push_str(&c.arguments),
+                _ => self.tool_calls.push(c.clone()),
+            }
+        }
         self.tokens.extend(ev.tokens.iter().cloned());
         if ev.done.is_some() {
             self.done = ev.done;
@@ -1627,21 +1633,28 @@ impl ToolCallJson {
         }
     }
 
-    /// A call's stream deltas: id and name first, then its arguments.
-    fn deltas(c: &ToolCallOut) -> [ToolCallJson; 2] {
-        let mut first = ToolCallJson::whole(c);
-        first.index = Some(c.index);
-        first.function.arguments = String::new();
-        let args = ToolCallJson {
-            index: Some(c.index),
-            id: None,
-            kind: None,
-            function: FunctionJson {
-                name: None,
-                arguments: c.arguments.clone(),
-            },
-        };
-        [first, args]
+    /// The stream deltas of a call or a piece of one: id and name first
+    /// (a call's first piece), then its arguments' text.
+    fn deltas(c: &ToolCallOut) -> Vec<ToolCallJson> {
+        let mut out = Vec::new();
+        if !c.name.is_empty() {
+            let mut first = ToolCallJson::whole(c);
+            first.index = Some(c.index);
+            first.function.arguments = String::new();
+            out.push(first);
+        }
+        if !c.arguments.is_empty() {
+            out.push(ToolCallJson {
+                index: Some(c.index),
+                id: None,
+                kind: None,
+                function: FunctionJson {
+                    name: None,
+                    arguments: c.arguments.clone(),
+                },
+            });
+        }
+        out
     }
 }
 

@@ -1410,4 +1410,41 @@ fn tool_calls_in_responses_and_stream_deltas() {
         json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":\"Oslo\"}"}}]})
     );
     assert_eq!(chunks[2]["choices"][0]["finish_reason"], "tool_calls");
+
+    // A call streamed in pieces: the name first, then argument text.
+    let pieces = [
+        ToolCallOut {
+            arguments: String::new(),
+            ..call.clone()
+        },
+        ToolCallOut {
+            arguments: "{\"city\":".into(),
+            ..ToolCallOut::default()
+        },
+        ToolCallOut {
+            arguments: "\"Oslo\"}".into(),
+            ..ToolCallOut::default()
+        },
+    ];
+    let mut g = Generated::default();
+    let mut deltas = Vec::new();
+    for p in pieces {
+        let ev = GenerateEvent {
+            tool_calls: vec![p],
+            ..Default::default()
+        };
+        g.push(&ev);
+        deltas.extend(s.event(0, &ev, text_of).iter().map(json_of));
+    }
+    assert_eq!(g.tool_calls.len(), 1);
+    assert_eq!(g.tool_calls[0].arguments, "{\"city\":\"Oslo\"}");
+    assert_eq!(deltas.len(), 3);
+    assert_eq!(
+        deltas[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    assert_eq!(
+        deltas[2]["choices"][0]["delta"],
+        json!({"tool_calls": [{"index": 0, "function": {"arguments": "\"Oslo\"}"}}]})
+    );
 }
