@@ -116,12 +116,12 @@ pub struct CoordinatorConfig {
         long,
         env = "OMNI_SPLIT",
         value_delimiter = ',',
-        conflicts_with = "layers"
+        conflicts_with = "counts"
     )]
     pub split: Option<Vec<f64>>,
     /// Manual split by layer counts per stage (e.g. 12,12).
-    #[arg(long, env = "OMNI_LAYERS", value_delimiter = ',')]
-    pub layers: Option<Vec<u32>>,
+    #[arg(long, env = "OMNI_COUNTS", value_delimiter = ',')]
+    pub counts: Option<Vec<u32>>,
     /// auto (shared memory where both ends share a host), shm or grpc.
     #[arg(long, env = "OMNI_TRANSPORT", default_value = "auto")]
     pub transport: TransportChoice,
@@ -160,8 +160,9 @@ pub struct CoordinatorConfig {
     #[arg(long, env = "OMNI_ADMIN_LISTEN", default_value = "127.0.0.1:7071")]
     pub admin_listen: String,
     /// The token admin calls must carry (`authorization: Bearer ...`);
-    /// without one every admin call is refused.
-    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
+    /// without one every admin call is refused. Give it as OMNI_ADMIN_TOKEN
+    /// or --admin-token-file: a flag is visible to every user in `ps`.
+    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true, hide = true)]
     pub admin_token: Option<String>,
     /// A file holding the admin token (e.g. a compose secret at
     /// /run/secrets/admin_token), instead of --admin-token.
@@ -224,6 +225,10 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     if cfg.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
+    omni_telemetry::warn_secret_flags(
+        "omni-coordinator",
+        &[("--admin-token", "OMNI_ADMIN_TOKEN or --admin-token-file")],
+    );
     cfg.admin_token = omni_telemetry::value_or_secret_file(
         cfg.admin_token.take(),
         cfg.admin_token_file.as_deref(),
@@ -430,12 +435,44 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
             .position(|w| w.id == id)
             .map_or(0, |i| rates[i] as u64)
     };
+    // Workers of one host that compute on its RAM (stage and expert
+    // workers), or on one GPU, share that memory: each offers what it has
+    // free, so the planner counts it once.
+    let pool = |w: &Registered| -> Option<plan::MemoryPool> {
+        let inv = &w.inventory;
+        if inv.host_id.is_empty() {
+            return None;
+        }
+        let host = if inv.hostname.is_empty() {
+            "host".to_string()
+        } else {
+            format!("host {}", inv.hostname)
+        };
+        Some(match &inv.gpu {
+            Some(g) => {
+                let card = [&g.uuid, &g.pci_bus_id, &inv.device]
+                    .into_iter()
+                    .find(|s| !s.is_empty())
+                    .cloned()
+                    .unwrap_or_default();
+                plan::MemoryPool {
+                    key: format!("{}/gpu/{card}", inv.host_id),
+                    name: format!("{host}'s {}", inv.device),
+                }
+            }
+            None => plan::MemoryPool {
+                key: format!("{}/ram", inv.host_id),
+                name: format!("{host}'s RAM"),
+            },
+        })
+    };
     let spec = |w: &Registered| WorkerSpec {
         id: w.id.clone(),
         device: w.inventory.device.clone(),
         free_bytes: w.inventory.memory_free,
         total_bytes: w.inventory.memory_total,
         read_rate: rate_of(&w.id),
+        pool: pool(w),
     };
     let specs: Vec<WorkerSpec> = workers.iter().map(spec).collect();
     let expert_specs: Vec<WorkerSpec> = expert_workers.iter().map(spec).collect();
@@ -444,7 +481,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         n_seq: cfg.seqs,
         n_ubatch: cfg.ubatch,
         headroom: cfg.headroom,
-        split: match (&cfg.split, &cfg.layers) {
+        split: match (&cfg.split, &cfg.counts) {
             (Some(p), _) => Some(Split::Proportions(p.clone())),
             (None, Some(l)) => Some(Split::Layers(l.clone())),
             (None, None) => None,

@@ -302,7 +302,7 @@ impl Live {
             &experts,
             &cfg,
         )
-        .map_err(|e| Status::failed_precondition(format!("refused: {e}")))
+        .map_err(|e| Status::failed_precondition(e.to_string()))
     }
 
     /// Carries out a move to `serving` with `counts` (None: the automatic
@@ -318,7 +318,7 @@ impl Live {
             || new_plan.experts != self.plan.experts
         {
             return Err(Status::failed_precondition(format!(
-                "refused: the new split would change which layers' routed experts run on expert workers (now {}, then {}); experts do not move live, restart with the split instead",
+                "the new split would change which layers' routed experts run on expert workers (now {}, then {}); experts do not move live, restart with the split instead",
                 plan::fmt_layers(&offloaded_layers(&self.plan)),
                 plan::fmt_layers(&offloaded_layers(&new_plan))
             )));
@@ -373,7 +373,7 @@ impl Live {
             let budget = new_plan.stages[i].bytes.budget;
             if old + new > budget {
                 return Err(Status::failed_precondition(format!(
-                    "refused: during the move worker {} holds its old and its new stage at once: {} + {} = {}, more than its {} usable ({} free, {:.0}% headroom); move fewer layers at a time",
+                    "during the move worker {} holds its old and its new stage at once: {} + {} = {}, more than its {} usable ({} free, {:.0}% headroom); move fewer layers at a time",
                     w.reg.id,
                     fmt_bytes(old),
                     fmt_bytes(new),
@@ -763,7 +763,8 @@ async fn switch_one(
                 .await
                 .map_err(|s| {
                     format!(
-                        "worker {gid} could not export layers {r:?}: {}",
+                        "worker {gid} could not export layers {}: {}",
+                        omni_engine::fmt_layers(&r),
                         s.message()
                     )
                 })?
@@ -771,7 +772,8 @@ async fn switch_one(
             while let Some(chunk) = s.next().await {
                 let chunk = chunk.map_err(|s| {
                     format!(
-                        "worker {gid}'s export of layers {r:?} broke: {}",
+                        "worker {gid}'s export of layers {} broke: {}",
+                        omni_engine::fmt_layers(&r),
                         s.message()
                     )
                 })?;
@@ -872,7 +874,7 @@ pub fn counts_for_move(
             n_layer.saturating_sub(1)
         ));
     }
-    let show = |r: &std::ops::Range<u32>| format!("{}-{}", r.start, r.end.saturating_sub(1));
+    let show = omni_engine::fmt_layers;
     let t = &ranges[to];
     if moved.end < t.start || moved.start > t.end {
         return Err(format!(

@@ -26,6 +26,9 @@ use omni_engine::model::{Hparams, ModelFile};
 use omni_engine::stage::LayerRange;
 use serde::{Deserialize, Serialize};
 
+mod pool;
+use pool::Pools;
+
 /// Byte sizes as people type them ("6GiB", "512MiB", "2G", "1.5GiB") and as
 /// we print them ("41.2 GiB"). They live in the engine so that every binary,
 /// workers included, parses memory flags the same way.
@@ -45,6 +48,22 @@ pub struct WorkerSpec {
     /// that take turns on the same compute report one figure.
     #[serde(default)]
     pub read_rate: u64,
+    /// The memory this worker computes on, when other workers may compute
+    /// on it too (workers registered from one host): those with the same
+    /// pool share one budget, the largest of their offers, not the sum;
+    /// `free_bytes` still caps this worker alone. `None` (a device of
+    /// `omnictl plan --devices`): its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<MemoryPool>,
+}
+
+/// A memory several workers may compute on: a host's RAM, or one GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryPool {
+    /// Equal keys are the same memory (the host's id with "ram", or with the GPU's UUID).
+    pub key: String,
+    /// How the plan names it: "host box1's RAM", "host box1's cuda:0".
+    pub name: String,
 }
 
 /// Where the routed experts of MoE layers (`ffn_{gate,up,down}_exps`) run.
@@ -206,6 +225,8 @@ pub enum PlanError {
     #[error("{0}")]
     DoesNotFit(Box<NoFit>),
     #[error("{0}")]
+    SharedDoesNotFit(Box<SharedNoFit>),
+    #[error("{0}")]
     ExpertsDoNotFit(Box<ExpertNoFit>),
 }
 
@@ -221,9 +242,12 @@ pub struct NoFit {
     pub headroom: f64,
     /// "the best automatic split" or "the manual split 12,12".
     pub split: String,
-    /// What all stages together need, and what all workers offer after headroom.
+    /// What all stages together need, and what all workers offer after
+    /// headroom (memory that workers share counted once).
     pub all_need: u64,
     pub all_budget: u64,
+    /// Workers that share memory, "w0 and w1 share host box1's RAM"; empty if none.
+    pub shared: String,
 }
 
 impl fmt::Display for NoFit {
@@ -254,10 +278,61 @@ impl fmt::Display for NoFit {
                 fmt_bytes(self.all_need),
                 fmt_bytes(self.all_budget)
             )?;
+            if !self.shared.is_empty() {
+                write!(f, " (memory they share counted once: {})", self.shared)?;
+            }
         }
         write!(
             f,
             "; lower the context, sequences or micro-batch, or add memory or workers"
+        )
+    }
+}
+
+/// Stages that each fit their worker's own offer but not, together, the
+/// memory those workers share (one host's RAM, one GPU).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SharedNoFit {
+    /// "host box1's RAM".
+    pub memory: String,
+    /// "w0 and w1".
+    pub workers: String,
+    /// The stages on it: index, range and total bytes.
+    pub stages: Vec<(usize, LayerRange, u64)>,
+    /// What those stages need together, in parts and in all.
+    pub weights: u64,
+    pub kv: u64,
+    pub compute: u64,
+    pub need: u64,
+    /// The largest offer among the workers on it, and that after headroom.
+    pub free: u64,
+    pub budget: u64,
+    pub headroom: f64,
+    /// "the best automatic split (layers 12,12)" or "the manual split 12,12".
+    pub split: String,
+}
+
+impl fmt::Display for SharedNoFit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let stages: Vec<String> = self
+            .stages
+            .iter()
+            .map(|(i, r, b)| format!("stage {i} {} for {r}", fmt_bytes(*b)))
+            .collect();
+        write!(
+            f,
+            "model needs {} on {} together ({}; weights {}, KV {}, compute {}) in {}, but they share {}, which has {} free ({}% headroom: {} usable): each worker offers what that memory has free, so it is counted once, not once per worker; lower the context, sequences or micro-batch, or add workers with memory of their own (another host or GPU)",
+            fmt_bytes(self.need),
+            self.workers,
+            stages.join(", "),
+            fmt_bytes(self.weights),
+            fmt_bytes(self.kv),
+            fmt_bytes(self.compute),
+            self.split,
+            self.memory,
+            fmt_bytes(self.free),
+            pct(self.headroom),
+            fmt_bytes(self.budget),
         )
     }
 }
@@ -278,9 +353,13 @@ pub struct ExpertNoFit {
     pub total_bytes: u64,
     pub headroom: f64,
     /// All offloaded experts, and what all expert workers offer for experts
-    /// (budget less compute buffer).
+    /// (budget less compute buffer; of memory shared with stages, what
+    /// they leave).
     pub all_need: u64,
     pub all_budget: u64,
+    /// "c0 shares host box1's RAM with w0 and w1, whose stages hold 1.2 GiB
+    /// of it", when the last expert worker shares memory; empty if not.
+    pub shared: String,
 }
 
 impl fmt::Display for ExpertNoFit {
@@ -315,7 +394,11 @@ impl fmt::Display for ExpertNoFit {
             layers_phrase(&self.left),
             fmt_bytes(self.all_need),
             fmt_bytes(self.all_budget),
-        )
+        )?;
+        if !self.shared.is_empty() {
+            write!(f, " ({})", self.shared)?;
+        }
+        Ok(())
     }
 }
 
@@ -776,7 +859,7 @@ pub fn plan_with_experts(
         ExpertPolicy::Auto if expert_workers.is_empty() || !has_experts => Offload::None,
         ExpertPolicy::Cpu => Offload::All,
         ExpertPolicy::Auto => match build(model, workers, expert_workers, cfg, Offload::None) {
-            Err(PlanError::DoesNotFit(_)) => Offload::PutBack,
+            Err(PlanError::DoesNotFit(_) | PlanError::SharedDoesNotFit(_)) => Offload::PutBack,
             done => return done,
         },
     };
@@ -806,11 +889,13 @@ enum Offload {
 }
 
 /// Why a stage's experts went out (`Offload::PutBack`): its total with all
-/// of them back, and with only the first of them back.
-#[derive(Clone, Copy)]
+/// of them back, and with only the first of them back; when its worker
+/// shares memory, that memory's name, who else is on it and what is left.
+#[derive(Clone)]
 struct Overflow {
     with_all: u64,
     with_first: u64,
+    shared_left: Option<(String, String, u64)>,
 }
 
 fn build(
@@ -823,75 +908,40 @@ fn build(
     let hp = &model.hparams;
     let n_layer = hp.n_layer;
     let costs = Costs::new(model, cfg, mode != Offload::None, workers);
+    let pools = Pools::new(workers, expert_workers, cfg.headroom);
     let budgets: Vec<u64> = workers
         .iter()
         .map(|wk| budget(wk.free_bytes, cfg.headroom))
         .collect();
-
-    let mut auto = AutoSplit::Proportional;
-    let one_kind = workers
-        .iter()
-        .all(|wk| is_gpu(&wk.device) == is_gpu(&workers[0].device));
-    let (counts, how) = match &cfg.split {
-        // Every expert with its layer, and workers whose speed is known
-        // (measured) or alike (one kind: all CPUs or all GPUs): balanced by
-        // the time each stage takes per token, within memory, so that the
-        // slowest stage is as fast as it can be.
-        None if (one_kind || costs.rate.is_some())
-            && mode == Offload::None
-            && workers.len() > 1 =>
-        {
-            match work_split(&costs, &budgets, n_layer) {
-                Some(c) => {
-                    auto = AutoSplit::Work;
-                    (c, None)
-                }
-                None => {
-                    auto = AutoSplit::Packed;
-                    (auto_split(&costs, &budgets, n_layer), None)
-                }
-            }
-        }
-        None => {
-            // Layers in proportion to each worker's budget (what a user of
-            // llama.cpp's --tensor-split would pick by hand), unless that
-            // does not fit: then the split that fills the workers most evenly.
-            let shares: Vec<f64> = budgets.iter().map(|&b| b as f64).collect();
-            let fits = |c: &[u32]| {
-                let ranges = LayerRange::split(n_layer, c).expect("counts add up");
-                ranges.iter().zip(workers).enumerate().all(|(i, (r, wk))| {
-                    let b = costs.stage_bytes(i, r, wk, &costs.offloaded_in(r));
-                    b.total <= b.budget
-                })
-            };
-            match proportions_to_counts(&shares, workers, n_layer) {
-                Ok(c) if fits(&c) => (c, None),
-                _ => {
-                    auto = AutoSplit::Packed;
-                    (auto_split(&costs, &budgets, n_layer), None)
-                }
-            }
-        }
-        Some(Split::Layers(c)) => {
-            check_counts(c, workers, n_layer, "--layers")?;
-            (
-                c.clone(),
-                Some(format!("the manual split of layers {}", join(c))),
-            )
-        }
-        Some(Split::Proportions(p)) => {
-            let c = proportions_to_counts(p, workers, n_layer)?;
-            let shown: Vec<String> = p.iter().map(|x| format!("{x}")).collect();
-            (
-                c.clone(),
-                Some(format!(
-                    "the manual split {} (layers {})",
-                    shown.join(","),
-                    join(&c)
-                )),
-            )
-        }
+    let totals = |counts: &[u32]| -> Vec<u64> {
+        let ranges = LayerRange::split(n_layer, counts).expect("counts add up");
+        ranges
+            .iter()
+            .zip(workers)
+            .enumerate()
+            .map(|(i, (r, wk))| costs.stage_bytes(i, r, wk, &costs.offloaded_in(r)).total)
+            .collect()
     };
+
+    let (mut counts, how, mut auto) = choose_split(&costs, workers, cfg, mode, &budgets)?;
+    // An automatic split made on each worker's own offer may put more on
+    // workers that share memory than that memory holds: search again with
+    // each of them given a part of it (in proportion to what it held, then
+    // to its own offer), which moves layers to workers with memory of their own.
+    let mut moved = false;
+    if cfg.split.is_none() && pools.overflow(&totals(&counts)).is_some() {
+        let held = totals(&counts);
+        for weights in [&held, &budgets] {
+            let shares = pools.shares(&budgets, weights);
+            let (c, _, a) = choose_split(&costs, workers, cfg, mode, &shares)?;
+            let t = totals(&c);
+            let own = t.iter().zip(&budgets).all(|(t, b)| t <= b);
+            if own && pools.overflow(&t).is_none() {
+                (counts, auto, moved) = (c, a, true);
+                break;
+            }
+        }
+    }
 
     let ranges = LayerRange::split(n_layer, &counts).expect("counts add up to n_layer");
     let mut stages: Vec<StagePlan> = ranges
@@ -910,6 +960,22 @@ fn build(
         })
         .collect();
 
+    let split_phrase = || {
+        let mut split = how
+            .clone()
+            .unwrap_or_else(|| format!("the best automatic split (layers {})", join(&counts)));
+        if mode != Offload::None {
+            split.push_str(&format!(
+                " with the routed experts of every MoE layer on the expert workers{}",
+                if cfg.gpu_experts > 0 {
+                    format!(" (but {} per layer)", cfg.gpu_experts)
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        split
+    };
     // Fit check: the worst stage (by share of its budget) is the one named.
     let worst = stages
         .iter()
@@ -921,18 +987,6 @@ fn build(
         .expect("at least one stage");
     let ws = &stages[worst];
     if ws.bytes.total > ws.bytes.budget {
-        let mut split =
-            how.unwrap_or_else(|| format!("the best automatic split (layers {})", join(&counts)));
-        if mode != Offload::None {
-            split.push_str(&format!(
-                " with the routed experts of every MoE layer on the expert workers{}",
-                if cfg.gpu_experts > 0 {
-                    format!(" (but {} per layer)", cfg.gpu_experts)
-                } else {
-                    String::new()
-                }
-            ));
-        }
         return Err(PlanError::DoesNotFit(Box::new(NoFit {
             stage: worst,
             worker: ws.worker.clone(),
@@ -941,23 +995,61 @@ fn build(
             bytes: ws.bytes.clone(),
             total_bytes: workers[worst].total_bytes,
             headroom: cfg.headroom,
-            split,
+            split: split_phrase(),
             all_need: stages.iter().map(|s| s.bytes.total).sum(),
-            all_budget: budgets.iter().sum(),
+            all_budget: pools.stage_offer(&budgets),
+            shared: pools.summary(),
+        })));
+    }
+    // Then the memory workers share: their stages together within it.
+    let stage_totals: Vec<u64> = stages.iter().map(|s| s.bytes.total).collect();
+    if let Some((p, need)) = pools.overflow(&stage_totals) {
+        let sh = &pools.shared[p];
+        let on: Vec<&StagePlan> = sh.stages.iter().map(|&i| &stages[i]).collect();
+        let sum = |f: fn(&StageBytes) -> u64| on.iter().map(|s| f(&s.bytes)).sum::<u64>();
+        return Err(PlanError::SharedDoesNotFit(Box::new(SharedNoFit {
+            memory: sh.name.clone(),
+            workers: pool::and_list(&on.iter().map(|s| s.worker.as_str()).collect::<Vec<_>>()),
+            stages: sh
+                .stages
+                .iter()
+                .map(|&i| (i, stages[i].range.clone(), stages[i].bytes.total))
+                .collect(),
+            weights: sum(|b| b.weights),
+            kv: sum(|b| b.kv),
+            compute: sum(|b| b.compute),
+            need,
+            free: sh.free,
+            budget: sh.budget,
+            headroom: cfg.headroom,
+            split: split_phrase(),
         })));
     }
 
-    // Each stage takes its layers' experts back, in layer order, while it fits.
+    // Each stage takes its layers' experts back, in layer order, while it
+    // fits (its own budget, and what is left of memory it shares).
     let mut overflow: Vec<Option<Overflow>> = vec![None; stages.len()];
+    let mut shared_used = pools.stage_use(&stage_totals);
     if mode == Offload::PutBack {
-        for (s, o) in stages.iter_mut().zip(&mut overflow) {
+        for (i, (s, o)) in stages.iter_mut().zip(&mut overflow).enumerate() {
+            let pool = pools.of_stage(i);
+            let room = |s: &StagePlan, used: &[u64]| {
+                let own = s.bytes.budget.saturating_sub(s.bytes.total);
+                match pool {
+                    Some(p) => own.min(pools.shared[p].budget.saturating_sub(used[p])),
+                    None => own,
+                }
+            };
             let mut back = 0;
             for &il in &s.offloaded {
-                if s.bytes.total + costs.saved(il) > s.bytes.budget {
+                if costs.saved(il) > room(s, &shared_used) {
                     break;
                 }
                 s.bytes.weights += costs.saved(il);
                 s.bytes.total += costs.saved(il);
+                if let Some(p) = pool {
+                    shared_used[p] += costs.saved(il);
+                }
                 back += 1;
             }
             s.offloaded.drain(..back);
@@ -966,6 +1058,13 @@ fn build(
                 *o = Some(Overflow {
                     with_all: s.bytes.total + out,
                     with_first: s.bytes.total + costs.saved(first),
+                    shared_left: pool.map(|p| {
+                        (
+                            pools.shared[p].name.clone(),
+                            pools.others(p, &s.worker),
+                            pools.shared[p].budget.saturating_sub(shared_used[p]),
+                        )
+                    }),
                 });
             }
         }
@@ -975,9 +1074,22 @@ fn build(
         .iter()
         .flat_map(|s| s.offloaded.iter().copied())
         .collect();
-    let experts = assign_experts(&costs, expert_workers, &offloaded)?;
+    let experts = assign_experts(&costs, expert_workers, &offloaded, &pools, &shared_used)?;
 
     let mut notes = notes(model, cfg, &costs, &stages, &counts, auto);
+    if !pools.is_empty() {
+        let stage_totals: Vec<u64> = stages.iter().map(|s| s.bytes.total).collect();
+        let expert_totals: Vec<u64> = expert_workers
+            .iter()
+            .map(|w| {
+                experts
+                    .iter()
+                    .find(|e| e.worker == w.id)
+                    .map_or(0, |e| e.bytes.total)
+            })
+            .collect();
+        notes.extend(pools.notes(&stage_totals, &expert_totals, cfg.headroom, moved));
+    }
     notes.extend(expert_notes(
         model,
         cfg,
@@ -999,22 +1111,106 @@ fn build(
     })
 }
 
-/// Offloaded layers, in order, to the expert workers, each filled before the next.
+/// The layer counts per stage, how a manual split was given (`None` when
+/// automatic) and how an automatic one was made, for stages that must fit
+/// `budgets` (each worker's own, or its part of memory it shares).
+fn choose_split(
+    costs: &Costs<'_>,
+    workers: &[WorkerSpec],
+    cfg: &PlanConfig,
+    mode: Offload,
+    budgets: &[u64],
+) -> Result<(Vec<u32>, Option<String>, AutoSplit), PlanError> {
+    let n_layer = costs.model.hparams.n_layer;
+    let one_kind = workers
+        .iter()
+        .all(|wk| is_gpu(&wk.device) == is_gpu(&workers[0].device));
+    Ok(match &cfg.split {
+        // Every expert with its layer, and workers whose speed is known
+        // (measured) or alike (one kind: all CPUs or all GPUs): balanced by
+        // the time each stage takes per token, within memory, so that the
+        // slowest stage is as fast as it can be.
+        None if (one_kind || costs.rate.is_some())
+            && mode == Offload::None
+            && workers.len() > 1 =>
+        {
+            match work_split(costs, budgets, n_layer) {
+                Some(c) => (c, None, AutoSplit::Work),
+                None => (auto_split(costs, budgets, n_layer), None, AutoSplit::Packed),
+            }
+        }
+        None => {
+            // Layers in proportion to each worker's budget (what a user of
+            // llama.cpp's --tensor-split would pick by hand), unless that
+            // does not fit: then the split that fills the workers most evenly.
+            let shares: Vec<f64> = budgets.iter().map(|&b| b as f64).collect();
+            let fits = |c: &[u32]| {
+                let ranges = LayerRange::split(n_layer, c).expect("counts add up");
+                ranges.iter().zip(workers).enumerate().all(|(i, (r, wk))| {
+                    let b = costs.stage_bytes(i, r, wk, &costs.offloaded_in(r));
+                    b.total <= budgets[i]
+                })
+            };
+            match proportions_to_counts(&shares, workers, n_layer) {
+                Ok(c) if fits(&c) => (c, None, AutoSplit::Proportional),
+                _ => (auto_split(costs, budgets, n_layer), None, AutoSplit::Packed),
+            }
+        }
+        Some(Split::Layers(c)) => {
+            check_counts(c, workers, n_layer, "--counts")?;
+            (
+                c.clone(),
+                Some(format!("the manual split --counts {}", join(c))),
+                AutoSplit::Proportional,
+            )
+        }
+        Some(Split::Proportions(p)) => {
+            let c = proportions_to_counts(p, workers, n_layer)?;
+            let shown: Vec<String> = p.iter().map(|x| format!("{x}")).collect();
+            (
+                c.clone(),
+                Some(format!(
+                    "the manual split {} (layers {})",
+                    shown.join(","),
+                    join(&c)
+                )),
+                AutoSplit::Proportional,
+            )
+        }
+    })
+}
+
+/// Offloaded layers, in order, to the expert workers, each filled before
+/// the next. One that shares memory with stages or other expert workers
+/// gets at most what they left of it (`shared_used`: what the stages put
+/// on each shared memory).
 fn assign_experts(
     costs: &Costs<'_>,
     expert_workers: &[WorkerSpec],
     layers: &[u32],
+    pools: &Pools,
+    shared_used: &[u64],
 ) -> Result<Vec<ExpertPlan>, PlanError> {
     if layers.is_empty() {
         return Ok(Vec::new());
     }
     let cfg = costs.cfg;
     let compute = expert_compute_estimate(&costs.model.hparams, cfg.n_ubatch);
+    let mut used = shared_used.to_vec();
     let mut plans = Vec::new();
     let mut next = 0;
     let mut last = None;
-    for wk in expert_workers {
-        let budget = budget(wk.free_bytes, cfg.headroom);
+    let mut offered = 0u64;
+    for (k, wk) in expert_workers.iter().enumerate() {
+        let pool = pools.of_expert(k);
+        let own = budget(wk.free_bytes, cfg.headroom);
+        // What the others on its memory use before it.
+        let others = pool.map_or(0, |p| used[p]);
+        let budget = match pool {
+            Some(p) => own.min(pools.shared[p].budget.saturating_sub(others)),
+            None => own,
+        };
+        offered += budget.saturating_sub(compute);
         let (mut held, mut weights) = (Vec::new(), 0u64);
         while let Some(&il) = layers.get(next) {
             let b = costs.expert[il as usize];
@@ -1034,6 +1230,9 @@ fn assign_experts(
             free: wk.free_bytes,
         };
         if !held.is_empty() {
+            if let Some(p) = pool {
+                used[p] += bytes.total;
+            }
             plans.push(ExpertPlan {
                 worker: wk.id.clone(),
                 device: wk.device.clone(),
@@ -1041,12 +1240,24 @@ fn assign_experts(
                 bytes: bytes.clone(),
             });
         }
-        last = Some((wk, held, bytes));
+        last = Some((k, wk, held, bytes, others));
         if next == layers.len() {
             return Ok(plans);
         }
     }
-    let (wk, held, bytes) = last.expect("offloading needs expert workers");
+    let (k, wk, held, bytes, others) = last.expect("offloading needs expert workers");
+    let shared = pools.of_expert(k).map_or(String::new(), |p| {
+        format!(
+            "{} shares {} with {}: they use {} of its {} usable, which leaves {} to {}",
+            wk.id,
+            pools.shared[p].name,
+            pools.others(p, &wk.id),
+            fmt_bytes(others),
+            fmt_bytes(pools.shared[p].budget),
+            fmt_bytes(bytes.budget),
+            wk.id,
+        )
+    });
     let layer = layers[next];
     Err(PlanError::ExpertsDoNotFit(Box::new(ExpertNoFit {
         layer,
@@ -1059,10 +1270,8 @@ fn assign_experts(
         total_bytes: wk.total_bytes,
         headroom: cfg.headroom,
         all_need: layers.iter().map(|&il| costs.expert[il as usize]).sum(),
-        all_budget: expert_workers
-            .iter()
-            .map(|w| budget(w.free_bytes, cfg.headroom).saturating_sub(compute))
-            .sum(),
+        all_budget: offered,
+        shared,
     })))
 }
 
@@ -1442,7 +1651,7 @@ fn notes(
     notes.push(match &cfg.split {
         None if stages.len() == 1 => format!("split: one worker runs the whole model{worst}"),
         None if auto == AutoSplit::Work => format!(
-            "split: automatic, layers {}: the slowest stage as fast as it can be, from the weight bytes each stage reads per decoded token (see work){}, with every stage within its budget (--split or --layers set it by hand){worst}",
+            "split: automatic, layers {}: the slowest stage as fast as it can be, from the weight bytes each stage reads per decoded token (see work){}, with every stage within its budget (--split or --counts set it by hand){worst}",
             join(counts),
             if costs.rate.is_some() {
                 " over the rate its worker reads weights at"
@@ -1466,7 +1675,31 @@ fn notes(
             hp.n_layer
         ),
     });
+    if let Some(n) = cpu_beside_gpus_note(stages) {
+        notes.push(n);
+    }
     notes
+}
+
+/// When the CPU is offered beside GPUs it gets layers like any device (every
+/// worker runs at least one), and they run at the CPU's speed: say so, and
+/// how to keep them on the GPUs.
+fn cpu_beside_gpus_note(stages: &[StagePlan]) -> Option<String> {
+    if !stages.iter().any(|s| is_gpu(&s.device)) {
+        return None;
+    }
+    let on_cpu: Vec<String> = stages
+        .iter()
+        .filter(|s| !is_gpu(&s.device) && !s.range.layers.is_empty())
+        .map(|s| format!("{} ({}) runs {}", s.worker, s.device, s.range))
+        .collect();
+    if on_cpu.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "cpu: {} beside the GPUs: layers on the CPU run at its speed, and the slowest stage sets the pace; to keep them on the GPUs give the GPUs more memory (or need less: lower the context or sequences), leave the CPU out (of --devices for omnictl plan, of --device for omnictl up), or place layers by hand with --counts",
+        on_cpu.join(", ")
+    ))
 }
 
 /// What the plan did with the routed experts, and why.
@@ -1625,6 +1858,12 @@ fn expert_notes(
                     ));
                 }
                 n.push_str(&format!(", it has {} usable", fmt_bytes(s.bytes.budget)));
+                if let Some((memory, others, left)) = &o.shared_left {
+                    n.push_str(&format!(
+                        " and shares {memory} with {others}, of which {} is left",
+                        fmt_bytes(*left)
+                    ));
+                }
             }
             None => n.push_str(" (--experts cpu)"),
         }
@@ -1656,12 +1895,12 @@ impl fmt::Display for Plan {
         let c = &self.config;
         writeln!(
             f,
-            "{} ({}, {} layers): context {} x {} sequences, micro-batch {}, headroom {}%",
+            "{} ({}, {} layers): context {} x {}, micro-batch {}, headroom {}%",
             self.model,
             self.arch,
             self.n_layer,
             c.n_ctx,
-            c.n_seq,
+            omni_engine::count(c.n_seq as u64, "sequence"),
             c.n_ubatch,
             pct(c.headroom)
         )?;

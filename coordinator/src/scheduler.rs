@@ -364,9 +364,12 @@ impl Scheduler {
             return;
         };
         tracing::error!(
-            "{why}; recovering ({} sequences wait, {} steps were in flight)",
-            self.seqs.len(),
-            self.groups.iter().filter(|g| g.is_some()).count()
+            "{why}; recovering ({} wait, {} in flight)",
+            omni_engine::count(self.seqs.len() as u64, "sequence"),
+            omni_engine::count(
+                self.groups.iter().filter(|g| g.is_some()).count() as u64,
+                "step"
+            )
         );
         if recover
             .send(RecoveryNeeded {
@@ -465,8 +468,9 @@ impl Scheduler {
             .collect();
         let steps: usize = self.replay.iter().map(VecDeque::len).sum();
         tracing::info!(
-            "recovered; replaying {steps} steps of {} sequences",
-            self.seqs.len()
+            "recovered; replaying {} of {}",
+            omni_engine::count(steps as u64, "step"),
+            omni_engine::count(self.seqs.len() as u64, "sequence")
         );
     }
 

@@ -150,10 +150,14 @@ impl inference_server::Inference for InferenceSvc {
         let r = req.into_inner();
         let (prompt, chat) = self.prompt_ids(&r)?;
         let n_ctx = shared.cfg.ctx;
-        let max_tokens = if r.max_tokens == 0 {
-            n_ctx.saturating_sub(prompt.len())
-        } else {
-            r.max_tokens as usize
+        let max_tokens = match r.max_tokens {
+            None => n_ctx.saturating_sub(prompt.len()),
+            Some(0) => {
+                return Err(Status::invalid_argument(
+                    "max_tokens is 0 but must be at least 1 (leave it out to generate until the context is full)",
+                ))
+            }
+            Some(n) => n as usize,
         };
         if prompt.is_empty() {
             return Err(Status::invalid_argument("the prompt is empty"));

@@ -36,6 +36,7 @@ fn specs(prefix: &str, device: impl Fn(usize) -> String, free: &[u64]) -> Vec<Wo
             free_bytes: f,
             total_bytes: f + GIB,
             read_rate: 0,
+            pool: None,
         })
         .collect()
 }
@@ -483,7 +484,7 @@ fn manual_splits_are_honoured_exactly_or_refused() {
     let msg = e.to_string();
     assert!(matches!(e, PlanError::DoesNotFit(_)), "{msg}");
     assert!(msg.contains("(worker w1, cpu)"), "{msg}");
-    assert!(msg.contains("the manual split of layers 1,23"), "{msg}");
+    assert!(msg.contains("the manual split --counts 1,23"), "{msg}");
 }
 
 #[test]
@@ -550,7 +551,7 @@ fn the_plan_prints_a_table_with_notes_and_round_trips_as_json() {
         "stage  worker  device",
         "w0",
         "w1",
-        "embed + layers 0..",
+        "embed + layers 0-",
         "+ head",
         "notes:",
         &format!("{n_tensors} tensors"),

@@ -47,7 +47,10 @@ pub struct CpuWorkerConfig {
     /// Compute threads (default: every core of the node, or of the process).
     #[arg(long, env = "OMNI_CPU_WORKER_THREADS")]
     pub threads: Option<usize>,
-    /// Offer at most this much memory to the planner (e.g. 200GiB).
+    /// Offer at most this much memory to the planner (e.g. 200GiB or 200GB:
+    /// GB = 10^9 bytes, GiB = 2^30). It caps this worker alone: with stage
+    /// workers on the CPU of the same host it shares the host's RAM in the
+    /// plan (together they get the largest of their offers, not the sum).
     #[arg(long, env = "OMNI_CPU_WORKER_MEMORY", value_parser = parse_size)]
     pub memory: Option<u64>,
     /// Where the shared-memory rings live.

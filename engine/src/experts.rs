@@ -322,8 +322,8 @@ pub(crate) fn expert_layer_tensors(
     let hp = &model.hparams;
     if il >= hp.n_layer {
         return Err(EngineError::Config(format!(
-            "layer {il} is outside the model's 0..{}",
-            hp.n_layer
+            "layer {il} is outside the model's layers 0-{}",
+            hp.n_layer.saturating_sub(1)
         )));
     }
     let specs = hp.arch.expert_tensors(hp, il);

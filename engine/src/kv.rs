@@ -453,7 +453,10 @@ impl KvCache {
         let mine = self.layers();
         if layers.start > layers.end || layers.start < mine.start || layers.end > mine.end {
             return Err(EngineError::Config(format!(
-                "cannot export the KV cache of layers {layers:?}: this cache holds layers {mine:?}"
+                "cannot export the KV cache of layers {}-{}: this cache holds layers {}",
+                layers.start,
+                layers.end.saturating_sub(1),
+                crate::fmt_layers(&mine)
             )));
         }
         let rows = self.used_end;
@@ -496,8 +499,9 @@ impl KvCache {
         for (i, l) in kv.layers.iter().enumerate() {
             if !mine.contains(&l.layer) {
                 return bad(format!(
-                    "layer {} is outside this cache's layers {mine:?}",
-                    l.layer
+                    "layer {} is outside this cache's layers {}",
+                    l.layer,
+                    crate::fmt_layers(&mine)
                 ));
             }
             if kv.layers[..i].iter().any(|o| o.layer == l.layer) {

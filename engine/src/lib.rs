@@ -13,6 +13,7 @@ pub mod chat;
 pub mod device;
 pub mod error;
 pub mod gguf;
+pub mod notation;
 pub mod sampling;
 pub mod tools;
 pub mod units;
@@ -48,6 +49,7 @@ pub use generate::{Engine, GenerateOptions, Generation};
 pub use kv::{KvConfig, KvLayer, KvLayers};
 #[cfg(feature = "ggml")]
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
+pub use notation::{count, fmt_layers, parse_layers};
 #[cfg(feature = "ggml")]
 pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput};
 #[cfg(feature = "ggml")]

@@ -67,8 +67,10 @@ impl LayerRange {
     fn validate(&self, n_layer: u32) -> Result<(), EngineError> {
         if self.layers.start > self.layers.end || self.layers.end > n_layer {
             return Err(EngineError::Config(format!(
-                "layer range {:?} is outside the model's 0..{n_layer}",
-                self.layers
+                "layers {}-{} are outside the model's layers 0-{}",
+                self.layers.start,
+                self.layers.end.saturating_sub(1),
+                n_layer.saturating_sub(1)
             )));
         }
         if self.layers.is_empty() && !self.embed && !self.head {
@@ -82,14 +84,21 @@ impl LayerRange {
 
 impl std::fmt::Display for LayerRange {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}layers {}..{}{}",
-            if self.embed { "embed + " } else { "" },
-            self.layers.start,
-            self.layers.end,
-            if self.head { " + head" } else { "" }
-        )
+        let layers = match self.layers.len() {
+            0 => String::new(),
+            1 => format!("layer {}", crate::fmt_layers(&self.layers)),
+            _ => format!("layers {}", crate::fmt_layers(&self.layers)),
+        };
+        let parts: Vec<&str> = [
+            self.embed.then_some("embed"),
+            Some(layers.as_str()),
+            self.head.then_some("head"),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|p| !p.is_empty())
+        .collect();
+        write!(f, "{}", parts.join(" + "))
     }
 }
 

@@ -1,25 +1,43 @@
-//! Byte sizes as people write them ("6GiB", "512MiB", "2G", "1.5GiB") and
+//! Byte sizes as people write them ("6GiB", "512MiB", "96GB", "1.5GiB") and
 //! as we print them. Shared by every binary that takes a memory flag.
 
-/// Parses a size: a number with an optional unit (B, K/KB/KiB, M/MB/MiB,
-/// G/GB/GiB, T/TB/TiB; case-insensitive). Units are binary (1K = 1024),
-/// as memory is counted.
+/// Parses a size: a number and a unit (case-insensitive), as memory flags
+/// take it. GB, MB, KB and TB are decimal (1 GB = 10^9 bytes), as disk and
+/// GPU makers and [`parse_rate`] count; GiB, MiB, KiB and TiB binary
+/// (1 GiB = 2^30 bytes), as memory is counted and [`fmt_bytes`] prints.
+/// The bare letters G, M, K and T are binary, as llama.cpp and docker read
+/// them (`2G` = 2 GiB); B is bytes.
+///
+/// A number without a unit is refused ("96" was once 96 bytes, never what
+/// was meant), saying how to write it; only `0` may go without one.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let (value, unit) = number_and_unit(s)
         .ok_or_else(|| format!("'{s}' is not a size: expected a number and a unit, like 6GiB"))?;
-    let mult: u64 = match unit.as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
+    let mult: f64 = match unit.as_str() {
+        "" if value == 0.0 => 0.0,
+        "" => {
+            let n = s.trim();
+            return Err(format!(
+                "'{n}' has no unit: write {n}GiB or {n}GB (GB = 10^9 bytes, GiB = 2^30)"
+            ));
+        }
+        "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => (1u64 << 20) as f64,
+        "g" | "gib" => (1u64 << 30) as f64,
+        "t" | "tib" => (1u64 << 40) as f64,
         other => {
             return Err(format!(
-                "'{s}': unknown unit '{other}' (use B, KiB, MiB, GiB or TiB)"
+                "'{s}': unknown unit '{other}' (use GB = 10^9 bytes or GiB = 2^30; likewise B, KB/KiB, MB/MiB, TB/TiB)"
             ))
         }
     };
-    let bytes = value * mult as f64;
+    // Rounded: 0.3GB is 299999999.99999997 in floating point.
+    let bytes = (value * mult).round();
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         return Err(format!("'{s}' is out of range"));
     }
@@ -91,13 +109,36 @@ mod tests {
     fn sizes() {
         assert_eq!(parse_size("6GiB").unwrap(), 6 << 30);
         assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
         assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
-        assert_eq!(parse_size("100").unwrap(), 100);
+        assert_eq!(parse_size("2 tib").unwrap(), 2 << 40);
+        // GB and friends are decimal, as parse_rate reads them.
+        assert_eq!(parse_size("96GB").unwrap(), 96_000_000_000);
+        assert_eq!(parse_size("1.5 gb").unwrap(), 1_500_000_000);
+        assert_eq!(parse_size("512MB").unwrap(), 512_000_000);
+        assert_eq!(parse_size("4KB").unwrap(), 4_000);
+        assert_eq!(parse_size("0.3GB").unwrap(), 300_000_000);
+        assert_eq!(parse_size("1TB").unwrap(), 1_000_000_000_000);
+        // The bare letters are binary, as llama.cpp and docker read them.
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("64m").unwrap(), 64 << 20);
+        assert_eq!(parse_size("100B").unwrap(), 100);
+        // Zero needs no unit; any other number does.
+        assert_eq!(parse_size("0").unwrap(), 0);
+        for bare in ["96", "100", " 32 ", "1.5"] {
+            let e = parse_size(bare).unwrap_err();
+            let n = bare.trim();
+            assert!(
+                e.contains(&format!("'{n}' has no unit: write {n}GiB or {n}GB"))
+                    && e.contains("GB = 10^9 bytes, GiB = 2^30"),
+                "{bare}: {e}"
+            );
+        }
         assert!(parse_size("lots").unwrap_err().contains("'lots'"));
-        assert!(parse_size("5 parsecs")
-            .unwrap_err()
-            .contains("unknown unit"));
+        let e = parse_size("5 parsecs").unwrap_err();
+        assert!(
+            e.contains("unknown unit 'parsecs'") && e.contains("GB = 10^9 bytes or GiB = 2^30"),
+            "{e}"
+        );
         assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
         assert_eq!(fmt_bytes(100), "100 B");
         assert_eq!(parse_rate("40GB/s").unwrap(), 40_000_000_000);

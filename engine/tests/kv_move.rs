@@ -322,7 +322,10 @@ fn bad_kv_moves_are_errors_that_name_the_problem() {
     // A layer outside the taking cache's range.
     assert_mentions(
         &err_text(split.stages[0].import_kv(&good)),
-        &format!("layer {k} is outside this cache's layers 0..{k}"),
+        &format!(
+            "layer {k} is outside this cache's layers {}",
+            omni_engine::fmt_layers(&(0..k))
+        ),
     );
 
     // A cell table that is not this cache's: one sequence only.

@@ -51,8 +51,9 @@ pub struct WorkerConfig {
     /// library `scripts/build-cuda` puts beside the binaries).
     #[arg(long, env = "OMNI_WORKER_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Memory of the device not to offer the planner (e.g. 2GiB). Default:
-    /// 1GiB on a GPU (its CUDA context and cuBLAS workspaces), none on the CPU.
+    /// Memory of the device not to offer the planner (e.g. 2GiB; a unit is
+    /// needed: GB = 10^9 bytes, GiB = 2^30; 0 for none). Default: 1GiB on a
+    /// GPU (its CUDA context and cuBLAS workspaces), none on the CPU.
     #[arg(long, env = "OMNI_WORKER_RESERVE", value_parser = parse_size)]
     pub reserve: Option<u64>,
     /// Compute threads (default: every core this process may use).
@@ -63,7 +64,10 @@ pub struct WorkerConfig {
     /// CPU runs: a way around a variant that misbehaves here.
     #[arg(long, env = "OMNI_CPU_VARIANT")]
     pub cpu_variant: Option<String>,
-    /// Offer at most this much memory to the planner (e.g. 6GiB).
+    /// Offer at most this much memory to the planner (e.g. 6GiB or 6GB: GB =
+    /// 10^9 bytes, GiB = 2^30). It caps this worker alone: workers on one
+    /// host computing on the same memory (its RAM, or one GPU) share one
+    /// budget in the plan, the largest of their offers, not the sum.
     #[arg(long, env = "OMNI_WORKER_MEMORY", value_parser = parse_size)]
     pub memory: Option<u64>,
     /// Where the shared-memory ring lives.

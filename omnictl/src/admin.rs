@@ -13,17 +13,129 @@ use omni_proto::admin::v1::{
 use std::time::Duration;
 
 /// Where the admin API is and the token it wants.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct AdminArgs {
-    /// The coordinator's admin address (its --admin-listen).
+    /// The coordinator's admin address (its --admin-listen), as host:port
+    /// or a URL.
     #[arg(long, env = "OMNI_ADMIN", default_value = "127.0.0.1:7071")]
     pub admin: String,
-    /// The admin token (the coordinator's --admin-token).
-    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
-    /// A file holding the admin token (e.g. /run/secrets/admin_token).
+    /// A file holding the admin token (default: the one `omnictl up` wrote
+    /// for this address, see --help). The token itself may come from
+    /// OMNI_ADMIN_TOKEN; never from a flag, which `ps` would show.
     #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
+    /// Refused: a token on the command line is visible to every user of
+    /// the machine. Use --token-file or OMNI_ADMIN_TOKEN.
+    #[arg(long, hide = true)]
+    pub token: Option<String>,
+}
+
+impl AdminArgs {
+    /// The admin address as host:port (a URL's scheme and path dropped).
+    pub fn addr(&self) -> String {
+        crate::remote::host_port(&self.admin)
+    }
+
+    /// The token to send: OMNI_ADMIN_TOKEN, else --token-file, else the
+    /// file `omnictl up` wrote for this address (if there is one).
+    pub fn resolve_token(&self) -> anyhow::Result<Option<String>> {
+        Ok(self.token_and_source()?.map(|(t, _)| t))
+    }
+
+    /// The token and where it came from (for error messages).
+    fn token_and_source(&self) -> anyhow::Result<Option<(String, String)>> {
+        if self.token.is_some() {
+            anyhow::bail!(
+                "--token would show the admin token to every user of this machine (ps); put it in a file and pass --token-file FILE, or set OMNI_ADMIN_TOKEN"
+            );
+        }
+        let env = std::env::var("OMNI_ADMIN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty());
+        if let Some(t) = env {
+            return Ok(Some((t, "OMNI_ADMIN_TOKEN".into())));
+        }
+        let what = "the admin token (--token-file)";
+        let file = match &self.token_file {
+            Some(f) => f.clone(),
+            None => token_path(&self.addr()),
+        };
+        if self.token_file.is_none() && !file.exists() {
+            return Ok(None);
+        }
+        let t = omni_telemetry::read_secret(&file, what).map_err(anyhow::Error::msg)?;
+        Ok(Some((t, file.display().to_string())))
+    }
+
+    /// `e` said in the user's terms: which token to give when the admin
+    /// API wants one, what listens at the address when it is not the
+    /// admin API.
+    pub fn explain(&self, e: anyhow::Error) -> anyhow::Error {
+        let Some(Refused(s)) = e.downcast_ref::<Refused>() else {
+            return e;
+        };
+        let addr = self.addr();
+        match s.code() {
+            tonic::Code::Unauthenticated => match self.token_and_source() {
+                Ok(None) if !s.message().contains("no admin token") => anyhow::anyhow!(
+                    "the admin API at {addr} wants a token and none was found: set OMNI_ADMIN_TOKEN or pass --token-file FILE (`omnictl up` writes it to {})",
+                    token_path(&addr).display()
+                ),
+                Ok(Some((_, from))) => anyhow::anyhow!(
+                    "the admin API at {addr} refused the token from {from}: {}",
+                    s.message()
+                ),
+                _ => e,
+            },
+            tonic::Code::Unimplemented | tonic::Code::Internal | tonic::Code::Unknown => {
+                let what = runtime()
+                    .ok()
+                    .and_then(|rt| rt.block_on(crate::remote::what_is_at(&addr)));
+                match what {
+                    Some(w) if !w.contains("admin") => anyhow::anyhow!(
+                        "{addr} is {w}, not the coordinator's admin API (its --admin-listen, 127.0.0.1:7071 by default)"
+                    ),
+                    _ => e,
+                }
+            }
+            _ => e,
+        }
+    }
+}
+
+/// An admin call the coordinator answered with an error.
+#[derive(Debug)]
+pub(crate) struct Refused(pub tonic::Status);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the admin API refused: {}", self.0.message())
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// Where `omnictl up` keeps the admin token of the cluster whose admin API
+/// is at `addr` (one file per address, readable by the user only):
+/// `$XDG_STATE_HOME/omni/admin-token-HOST_PORT`, by default under
+/// `~/.local/state`.
+pub fn token_path(addr: &str) -> std::path::PathBuf {
+    let base = std::env::var_os("XDG_STATE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".local/state")))
+        .unwrap_or_else(std::env::temp_dir);
+    let name: String = addr
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    base.join("omni").join(format!("admin-token-{name}"))
 }
 
 #[derive(Args, Debug)]
@@ -37,11 +149,15 @@ pub struct WorkersArgs {
 /// `omnictl rebalance`: move layers to a worker, or apply a new split.
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("how").required(true).args(["layers", "split", "counts"])))]
+#[command(override_usage = "omnictl rebalance --layers 8-11 --to w2 [OPTIONS]
+       omnictl rebalance --counts 6,6,6 [OPTIONS]
+       omnictl rebalance --split 3,1 [OPTIONS]")]
 pub struct RebalanceArgs {
     #[command(flatten)]
     pub admin: AdminArgs,
-    /// The layers to move (e.g. 8-11, inclusive), with --to.
-    #[arg(long, requires = "to", value_parser = parse_layer_range)]
+    /// The layers to move, with --to: 8-11 (layers 8 to 11), 8..12 (the
+    /// same) or 8.
+    #[arg(long, requires = "to", value_parser = omni_engine::parse_layers)]
     pub layers: Option<std::ops::Range<u32>>,
     /// The worker that takes them (it must run the layers next to them).
     #[arg(long)]
@@ -54,6 +170,9 @@ pub struct RebalanceArgs {
     pub counts: Option<Vec<u32>>,
     #[arg(long)]
     pub json: bool,
+    /// Also print the whole new plan.
+    #[arg(long, short)]
+    pub verbose: bool,
 }
 
 /// `omnictl drain` / `undrain`.
@@ -65,23 +184,9 @@ pub struct DrainArgs {
     pub admin: AdminArgs,
     #[arg(long)]
     pub json: bool,
-}
-
-/// "8-11" (inclusive) or "8" as the range 8..12 or 8..9.
-fn parse_layer_range(s: &str) -> Result<std::ops::Range<u32>, String> {
-    let num = |x: &str| {
-        x.trim()
-            .parse::<u32>()
-            .map_err(|_| format!("'{s}' is not a layer range like 8-11"))
-    };
-    let (a, b) = match s.split_once('-') {
-        Some((a, b)) => (num(a)?, num(b)?),
-        None => (num(s)?, num(s)?),
-    };
-    if b < a {
-        return Err(format!("'{s}': the range ends before it starts"));
-    }
-    Ok(a..b + 1)
+    /// Also print the whole new plan.
+    #[arg(long, short)]
+    pub verbose: bool,
 }
 
 pub fn rebalance(a: &RebalanceArgs) -> anyhow::Result<()> {
@@ -95,8 +200,9 @@ pub fn rebalance(a: &RebalanceArgs) -> anyhow::Result<()> {
     let reply = runtime()?.block_on(async {
         let mut c = move_client(&a.admin).await?;
         anyhow::Ok(c.rebalance(req).await.map_err(refused)?.into_inner())
-    })?;
-    print_move(&reply, a.json)
+    });
+    let reply = reply.map_err(|e| a.admin.explain(e))?;
+    print_move(&reply, a.json, a.verbose)
 }
 
 pub fn drain(a: &DrainArgs, undrain: bool) -> anyhow::Result<()> {
@@ -109,11 +215,12 @@ pub fn drain(a: &DrainArgs, undrain: bool) -> anyhow::Result<()> {
             c.drain(DrainRequest { worker }).await
         };
         anyhow::Ok(r.map_err(refused)?.into_inner())
-    })?;
-    print_move(&reply, a.json)
+    });
+    let reply = reply.map_err(|e| a.admin.explain(e))?;
+    print_move(&reply, a.json, a.verbose)
 }
 
-fn print_move(r: &MoveReply, json: bool) -> anyhow::Result<()> {
+fn print_move(r: &MoveReply, json: bool, verbose: bool) -> anyhow::Result<()> {
     let plan = r.plan.clone().unwrap_or_default();
     if json {
         let plan: serde_json::Value =
@@ -141,7 +248,11 @@ fn print_move(r: &MoveReply, json: bool) -> anyhow::Result<()> {
             r.total_seconds
         );
     }
-    print!("{}", plan.text);
+    if verbose {
+        print!("{}", plan.text);
+    } else {
+        println!("(the whole plan: omnictl plan, or --verbose)");
+    }
     Ok(())
 }
 
@@ -172,18 +283,14 @@ pub(crate) async fn admin_client(a: &AdminArgs) -> anyhow::Result<Client> {
 }
 
 async fn client_with_timeout(a: &AdminArgs, timeout: Duration) -> anyhow::Result<Client> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", a.admin))?
+    let token = a.resolve_token()?;
+    let addr = a.addr();
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
         .connect()
         .await
-        .with_context(|| format!("cannot reach the admin API at {}", a.admin))?;
-    let token = omni_telemetry::value_or_secret_file(
-        a.token.clone(),
-        a.token_file.as_deref(),
-        "the admin token (--token / --token-file)",
-    )
-    .map_err(anyhow::Error::msg)?;
+        .with_context(|| format!("cannot reach the admin API at {addr}"))?;
     let header = match &token {
         Some(t) => Some(
             format!("Bearer {t}")
@@ -202,7 +309,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 pub(crate) fn refused(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("the admin API refused: {} ({:?})", s.message(), s.code())
+    Refused(s).into()
 }
 
 pub fn workers(a: &WorkersArgs) -> anyhow::Result<()> {
@@ -214,7 +321,8 @@ pub fn workers(a: &WorkersArgs) -> anyhow::Result<()> {
             .await
             .map_err(refused)?;
         anyhow::Ok(r.into_inner().workers)
-    })?;
+    });
+    let ws = ws.map_err(|e| a.admin.explain(e))?;
     if a.json {
         let v: Vec<_> = ws.iter().map(worker_json).collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -342,7 +450,8 @@ pub fn plan(
             c.get_plan(GetPlanRequest {}).await
         };
         anyhow::Ok(r.map_err(refused)?.into_inner())
-    })?;
+    });
+    let reply = reply.map_err(|e| a.explain(e))?;
     if json {
         println!("{}", reply.json);
     } else {

@@ -409,7 +409,7 @@ async fn decode_rate(
         prompt: Some(Prompt::Ids(TokenIds {
             ids: prompt.to_vec(),
         })),
-        max_tokens: (tg + 1) as u32,
+        max_tokens: Some((tg + 1) as u32),
         ignore_eos: true,
         sampling: schema.map(|s| omni_proto::worker::v1::Sampling {
             grammar: Some(omni_proto::worker::v1::Grammar {

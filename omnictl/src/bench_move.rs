@@ -91,11 +91,13 @@ pub fn run(a: BenchMoveArgs) -> anyhow::Result<()> {
             .first()
             .map(|s| s.range.clone())
             .unwrap_or_default();
+        // "embed + layers 0-8": the word after "layer(s)" is the range.
         let end: u32 = first
-            .split("..")
+            .split_whitespace()
+            .skip_while(|w| !w.starts_with("layer"))
             .nth(1)
-            .and_then(|s| s.split_whitespace().next())
-            .and_then(|s| s.parse().ok())
+            .and_then(|r| omni_engine::parse_layers(r).ok())
+            .map(|r| r.end)
             .ok_or_else(|| anyhow::anyhow!("cannot read stage 0's range from '{first}'"))?;
         anyhow::ensure!(end >= 2, "stage 0 runs {end} layer(s); nothing to move");
         let ids: Vec<String> = info.stages.iter().map(|s| s.worker_id.clone()).collect();
@@ -201,7 +203,7 @@ async fn keep_decoding(
             prompt: Some(Prompt::Ids(TokenIds {
                 ids: prompt.clone(),
             })),
-            max_tokens: 256,
+            max_tokens: Some(256),
             ignore_eos: true,
             ..Default::default()
         };

@@ -11,12 +11,16 @@ use omni_engine::sampling::SamplingParams;
 use omni_engine::{Engine, GenerateOptions, StageConfig};
 
 #[derive(Args, Debug)]
+#[command(
+    override_usage = "omnictl generate --model M (--prompt TEXT | --prompt-ids 1,2,3) [OPTIONS]
+       omnictl generate --coordinator ADDR (--prompt TEXT | --prompt-ids 1,2,3) [OPTIONS]"
+)]
 pub struct GenerateArgs {
     /// GGUF path, or a known model name (gemma3-270m, qwen2.5-coder-0.5b), fetched if missing.
     #[arg(long, short, required_unless_present = "coordinator")]
     pub model: Option<String>,
     /// Run through a cluster: the coordinator's address (see `omnictl up`).
-    #[arg(long, conflicts_with_all = ["split", "threads", "ctx"])]
+    #[arg(long, conflicts_with_all = ["model", "split", "threads", "ctx"])]
     pub coordinator: Option<String>,
     /// Prompt text.
     #[arg(
@@ -29,8 +33,8 @@ pub struct GenerateArgs {
     /// Prompt as token ids, comma-separated (used as given: no BOS added).
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
-    /// Tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 64)]
+    /// Most tokens to generate, at least 1 (as the API's max_tokens).
+    #[arg(short = 'n', long, default_value_t = 64, value_parser = at_least_one)]
     pub max_tokens: usize,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.0)]
@@ -85,6 +89,17 @@ pub struct GenerateArgs {
     /// 'start: "yes" | "no"'; the text, or @FILE).
     #[arg(long)]
     pub grammar: Option<String>,
+}
+
+/// `-n`: a count of tokens, at least 1 — 0 is refused here as the router
+/// and the coordinator refuse `max_tokens: 0`, so it means one thing on
+/// every path.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("0 tokens: give at least 1 (the API's max_tokens: 0 is refused too)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("'{s}' is not a number of tokens")),
+    }
 }
 
 /// The constraint the flags ask for, if any.

@@ -87,6 +87,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// The error for `--layers 12,6` where layer counts are meant: counts are
+/// `--counts` everywhere, `--layers` is a range (rebalance's).
+pub(crate) fn counts_not_layers(given: &str) -> String {
+    format!(
+        "--layers {given}: layer counts per stage are given with --counts {given} (--layers names a range of layers, as in `omnictl rebalance --layers 8-11 --to w2`)"
+    )
+}
+
 /// `--model` takes a path, or the name of a known model (fetched if missing).
 pub(crate) fn resolve_model(model: &str) -> anyhow::Result<PathBuf> {
     let p = PathBuf::from(model);

@@ -13,9 +13,15 @@ use omni_coordinator::plan::{
 use omni_engine::ModelFile;
 
 #[derive(Args, Debug)]
+#[command(
+    override_usage = "omnictl plan --model M --devices NAME:SIZE,... [--counts 12,6 | --split 3,1] [OPTIONS]
+       omnictl plan [--admin ADDR] [--counts 12,6 | --split 3,1 | --experts ..] [--json]
+       omnictl plan --coordinator ADDR [--json]"
+)]
 pub struct PlanArgs {
-    /// GGUF path or known model name.
-    #[arg(long, short, required_unless_present_any = ["coordinator", "admin"])]
+    /// GGUF path or known model name (without it, and without
+    /// --coordinator, the plan of the cluster at --admin is shown).
+    #[arg(long, short)]
     pub model: Option<String>,
     /// The devices in pipeline order, each NAME:SIZE with the memory it offers
     /// (e.g. cpu:6GiB,cpu:2GiB or cuda:0:20GiB,cuda:1:8GiB). They become
@@ -23,23 +29,25 @@ pub struct PlanArgs {
     /// NAME:SIZE@RATE adds how fast the device reads weights (e.g.
     /// cuda:0:24GiB@900GB/s,cpu:96GiB@40GB/s, as `omnictl workers` shows a
     /// worker's): with a rate for every device the split balances time.
-    #[arg(long, value_delimiter = ',', required_unless_present_any = ["coordinator", "admin"])]
+    #[arg(long, value_delimiter = ',', requires = "model")]
     pub devices: Vec<String>,
     /// Show the plan of the cluster this coordinator runs, with each
     /// offloaded layer's routing statistics and device experts.
     #[arg(long, conflicts_with_all = ["model", "devices", "expert_devices"])]
     pub coordinator: Option<String>,
     /// Ask this coordinator's admin API for the plan it runs, or, with
-    /// --layers, --split, --experts or --gpu-experts, a dry run of another
-    /// one on the same workers (nothing moves).
+    /// --counts, --split, --experts or --gpu-experts, a dry run of another
+    /// one on the same workers (nothing moves). The default without
+    /// --model: OMNI_ADMIN, else 127.0.0.1:7071.
     #[arg(long, conflicts_with_all = ["model", "devices", "expert_devices", "coordinator"])]
     pub admin: Option<String>,
-    /// The admin token (the coordinator's --admin-token).
-    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
-    /// A file holding the admin token (e.g. /run/secrets/admin_token).
+    /// A file holding the admin token (default: the one `omnictl up` wrote
+    /// for this address); the token itself may come from OMNI_ADMIN_TOKEN.
     #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
+    /// Refused: use --token-file or OMNI_ADMIN_TOKEN.
+    #[arg(long, hide = true)]
+    pub token: Option<String>,
     /// Expert workers that can run MoE layers' routed experts, each
     /// NAME:SIZE (e.g. numa0:256GiB,numa1:256GiB). They become c0, c1, ...
     #[arg(long, value_delimiter = ',')]
@@ -67,11 +75,14 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 0.10)]
     pub headroom: f64,
     /// Manual split by proportion, like llama.cpp's --tensor-split (e.g. 3,1).
-    #[arg(long, value_delimiter = ',', conflicts_with = "layers")]
+    #[arg(long, value_delimiter = ',', conflicts_with = "counts")]
     pub split: Option<Vec<f64>>,
     /// Manual split by layer count per device (e.g. 12,12).
     #[arg(long, value_delimiter = ',')]
-    pub layers: Option<Vec<u32>>,
+    pub counts: Option<Vec<u32>>,
+    /// Refused with a pointer to --counts (here --layers would be a range).
+    #[arg(long, hide = true)]
+    pub layers: Option<String>,
     /// Print the plan as JSON.
     #[arg(long)]
     pub json: bool,
@@ -92,12 +103,15 @@ fn parse_workers(devices: &[String], prefix: &str) -> anyhow::Result<Vec<WorkerS
         .iter()
         .enumerate()
         .map(|(i, d)| {
+            // "cuda:0:24GiB, cpu:64GiB" splits into " cpu:64GiB".
+            let d = d.trim();
             let (d_mem, rate) = match d.split_once('@') {
                 Some((m, r)) => (m, Some(r)),
-                None => (d.as_str(), None),
+                None => (d, None),
             };
             let (name, size) = d_mem
                 .rsplit_once(':')
+                .map(|(n, s)| (n.trim(), s))
                 .filter(|(n, _)| !n.is_empty())
                 .with_context(|| format!("device '{d}' needs a name and a size, like cpu:6GiB"))?;
             let bytes = parse_size(size).map_err(|e| anyhow::anyhow!("device '{d}': {e}"))?;
@@ -112,6 +126,8 @@ fn parse_workers(devices: &[String], prefix: &str) -> anyhow::Result<Vec<WorkerS
                 free_bytes: bytes,
                 total_bytes: bytes,
                 read_rate,
+                // Hypothetical devices: each its own memory.
+                pool: None,
             })
         })
         .collect()
@@ -121,15 +137,23 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     if let Some(addr) = &args.coordinator {
         return live(addr, args.json);
     }
-    if let Some(addr) = &args.admin {
+    if let Some(l) = &args.layers {
+        anyhow::bail!("{}", crate::counts_not_layers(l));
+    }
+    if args.admin.is_some() || args.model.is_none() {
+        let addr = args
+            .admin
+            .clone()
+            .or_else(|| std::env::var("OMNI_ADMIN").ok().filter(|a| !a.is_empty()))
+            .unwrap_or_else(|| "127.0.0.1:7071".into());
         let a = crate::admin::AdminArgs {
-            admin: addr.clone(),
+            admin: addr,
             token: args.token.clone(),
             token_file: args.token_file.clone(),
         };
         return crate::admin::plan(
             &a,
-            args.layers.clone(),
+            args.counts.clone(),
             args.split.clone(),
             args.experts.map(|e| e.name().to_string()),
             args.gpu_experts,
@@ -147,6 +171,11 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
 
 /// The plan the arguments ask for.
 pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
+    if args.devices.is_empty() {
+        anyhow::bail!(
+            "--devices is needed with --model: the memory each worker offers, e.g. --devices cuda:0:24GiB,cpu:64GiB"
+        );
+    }
     let workers = parse_devices(&args.devices)?;
     let expert_workers = parse_expert_devices(&args.expert_devices)?;
     let path = crate::resolve_model(args.model.as_deref().context("--model is needed")?)?;
@@ -157,7 +186,7 @@ pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
         n_seq: args.seqs,
         n_ubatch: args.ubatch,
         headroom: args.headroom,
-        split: match (&args.split, &args.layers) {
+        split: match (&args.split, &args.counts) {
             (Some(p), _) => Some(Split::Proportions(p.clone())),
             (None, Some(l)) => Some(Split::Layers(l.clone())),
             (None, None) => None,
@@ -250,6 +279,31 @@ mod tests {
         assert!(e.contains("'cpu'"), "{e}");
         let e = parse_devices(&["cpu:lots".into()]).unwrap_err().to_string();
         assert!(e.contains("cpu:lots") && e.contains("'lots'"), "{e}");
+        // A size needs its unit: cuda:96 is not 96 bytes on "cuda".
+        let e = parse_devices(&["cuda:96".into()]).unwrap_err().to_string();
+        assert!(
+            e.contains("device 'cuda:96'") && e.contains("'96' has no unit: write 96GiB or 96GB"),
+            "{e}"
+        );
+        // GB is decimal, GiB binary.
+        let ws = parse_devices(&["cuda:0:96GB".into(), "cuda:1:96GiB".into()]).unwrap();
+        assert_eq!(ws[0].free_bytes, 96_000_000_000);
+        assert_eq!(ws[1].free_bytes, 96 << 30);
+        // Spaces around an entry (after the comma) and its name are not part of them.
+        let ws = parse_devices(&[
+            "cuda:0:24GiB".into(),
+            " cpu:64GiB ".into(),
+            " cpu : 1GiB".into(),
+        ])
+        .unwrap();
+        assert_eq!(ws[1].device, "cpu");
+        assert_eq!(ws[1].free_bytes, 64 << 30);
+        assert_eq!(ws[2].device, "cpu");
+        assert_eq!(ws[2].free_bytes, 1 << 30);
+        assert!(
+            ws.iter().all(|w| w.pool.is_none()),
+            "each device its own memory"
+        );
 
         let cs = parse_expert_devices(&["numa0:256GiB".into(), "numa1:1TiB".into()]).unwrap();
         assert_eq!(cs[0].id, "c0");

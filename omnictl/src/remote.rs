@@ -12,10 +12,23 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
+/// An address as people write it, `host:port` or a URL
+/// (`http://127.0.0.1:7070/`), as host:port.
+pub fn host_port(addr: &str) -> String {
+    let a = addr.trim();
+    let a = a
+        .strip_prefix("http://")
+        .or_else(|| a.strip_prefix("https://"))
+        .or_else(|| a.strip_prefix("grpc://"))
+        .unwrap_or(a);
+    a.split('/').next().unwrap_or(a).to_string()
+}
+
 async fn client(
     addr: &str,
     timeout: Duration,
 ) -> anyhow::Result<InferenceClient<tonic::transport::Channel>> {
+    let addr = host_port(addr);
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(timeout)
         .connect()
@@ -28,8 +41,76 @@ pub async fn info(addr: &str, timeout: Duration) -> anyhow::Result<InfoReply> {
     let mut c = client(addr, timeout).await?;
     let r = tokio::time::timeout(timeout, c.info(InfoRequest {}))
         .await
-        .context("the coordinator did not answer")??;
-    Ok(r.into_inner())
+        .context("the coordinator did not answer")?;
+    match r {
+        Ok(r) => Ok(r.into_inner()),
+        Err(s) => Err(not_the_coordinator(addr, s).await),
+    }
+}
+
+/// What listens at `addr`, when a call there failed in a way that says it
+/// is not the service the user meant: the coordinator's Inference, its
+/// admin API, or an HTTP server (the OpenAI router). None when unsure.
+pub async fn what_is_at(addr: &str) -> Option<&'static str> {
+    use omni_proto::admin::v1::{admin_client::AdminClient, ListWorkersRequest};
+    let addr = host_port(addr);
+    let t = Duration::from_secs(2);
+    // An HTTP/1 server answers a plain request with a status line; gRPC
+    // servers (HTTP/2 only) do not.
+    let http = async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(&addr).await.ok()?;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: omni\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut buf = [0u8; 8];
+        s.read_exact(&mut buf).await.ok()?;
+        buf.starts_with(b"HTTP/1.").then_some(())
+    };
+    if let Ok(Some(())) = tokio::time::timeout(t, http).await {
+        return Some("an HTTP server (the OpenAI router's port?)");
+    }
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .ok()?
+        .connect_timeout(t)
+        .timeout(t)
+        .connect()
+        .await
+        .ok()?;
+    let admin = AdminClient::new(ch.clone())
+        .list_workers(ListWorkersRequest {})
+        .await;
+    // The admin API exists there if it answers anything but "unimplemented".
+    if !matches!(&admin, Err(s) if s.code() == tonic::Code::Unimplemented) {
+        return Some("the coordinator's admin API (its --admin-listen port)");
+    }
+    if InferenceClient::new(ch).info(InfoRequest {}).await.is_ok() {
+        return Some("the coordinator's Inference port (its --listen)");
+    }
+    None
+}
+
+/// The error for a failed call to the coordinator's Inference at `addr`,
+/// naming what is there instead when that is the cause.
+pub async fn not_the_coordinator(addr: &str, s: tonic::Status) -> anyhow::Error {
+    if matches!(
+        s.code(),
+        tonic::Code::Unimplemented | tonic::Code::Internal | tonic::Code::Unknown
+    ) {
+        if let Some(what) = what_is_at(addr).await {
+            if !what.contains("Inference") {
+                return anyhow::anyhow!(
+                    "{} is {what}, not the coordinator's Inference address (its --listen, 127.0.0.1:7070 by default)",
+                    host_port(addr)
+                );
+            }
+        }
+    }
+    anyhow::anyhow!(
+        "the coordinator at {} refused: {}",
+        host_port(addr),
+        s.message()
+    )
 }
 
 /// Every stage's Worker.Status, in pipeline order.
@@ -102,7 +183,7 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
     };
     let req = GenerateRequest {
         prompt: Some(prompt),
-        max_tokens: a.max_tokens as u32,
+        max_tokens: Some(a.max_tokens as u32),
         sampling: Some(Sampling {
             temperature: a.temperature,
             top_k: a.top_k,
@@ -120,17 +201,23 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
         request_id: String::new(),
     };
     let t0 = Instant::now();
-    let mut stream = c
-        .generate(req)
-        .await
-        .map_err(|s| anyhow::anyhow!("the coordinator refused the request: {}", s.message()))?
-        .into_inner();
+    let mut stream = match c.generate(req).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return Err(not_the_coordinator(addr, s).await),
+    };
     let (mut prompt_ids, mut ids, mut text, mut steps) =
         (Vec::new(), Vec::new(), String::new(), Vec::new());
     let mut done = None;
     let mut stdout = std::io::stdout();
     while let Some(ev) = stream.next().await {
-        let ev = ev.map_err(|s| anyhow::anyhow!("generation failed: {}", s.message()))?;
+        let ev = match ev {
+            Ok(ev) => ev,
+            // Nothing came yet: perhaps not a coordinator at all.
+            Err(s) if ids.is_empty() && prompt_ids.is_empty() => {
+                return Err(not_the_coordinator(addr, s).await)
+            }
+            Err(s) => anyhow::bail!("generation failed: {}", s.message()),
+        };
         if !ev.prompt_ids.is_empty() {
             prompt_ids = ev.prompt_ids;
         }

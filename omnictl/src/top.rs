@@ -79,8 +79,10 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
         .map(|b| b.reply.workers.iter().map(|w| (w.id.as_str(), w)).collect())
         .unwrap_or_default();
     let title = format!(
-        "omni: {} | {} layers | {} sequences running | {tok_s} tokens/s out",
-        r.model, r.n_layer, r.active_sequences
+        "omni: {} | {} layers | {} running | {tok_s} tokens/s out",
+        r.model,
+        r.n_layer,
+        omni_engine::count(r.active_sequences.max(0) as u64, "sequence")
     );
     let header = vec![
         "worker", "kind", "device", "layers", "range", "tok/s in", "step ms", "busy", "memory",
@@ -156,19 +158,48 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
     }
 }
 
-/// The frame as plain text columns (`--once`).
-fn text(f: &Frame) -> String {
+/// Spaces between columns.
+const SPACING: usize = 2;
+
+/// Each column's width: its widest cell or header.
+fn column_widths(f: &Frame) -> Vec<usize> {
     let mut widths: Vec<usize> = f.header.iter().map(|h| h.chars().count()).collect();
     for r in &f.rows {
         for (w, c) in widths.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
         }
     }
+    widths
+}
+
+/// Which columns to show in `width` characters, in their order: as many
+/// as fit, the most telling first (worker, range, health, rates, ...; the
+/// layer bar and the device go first when space is short).
+fn fit(widths: &[usize], width: usize) -> Vec<usize> {
+    // Indices into the header: worker, range, health, tok/s, step ms,
+    // busy, kind, memory, KV cells, device, layers (the bar).
+    const PRIORITY: [usize; 11] = [0, 4, 10, 5, 6, 7, 1, 8, 9, 2, 3];
+    let mut keep = Vec::new();
+    let mut used = 0;
+    for i in PRIORITY.into_iter().filter(|&i| i < widths.len()) {
+        let need = widths[i] + if keep.is_empty() { 0 } else { SPACING };
+        if used + need <= width {
+            used += need;
+            keep.push(i);
+        }
+    }
+    keep.sort_unstable();
+    keep
+}
+
+/// The frame as plain text columns (`--once`).
+fn text(f: &Frame) -> String {
+    let widths = column_widths(f);
     let line = |cells: Vec<&str>| {
         let mut s = String::new();
         for (c, w) in cells.iter().zip(&widths) {
             s.push_str(c);
-            s.push_str(&" ".repeat(w - c.chars().count() + 2));
+            s.push_str(&" ".repeat(w - c.chars().count() + SPACING));
         }
         s.trim_end().to_string() + "\n"
     };
@@ -181,6 +212,10 @@ fn text(f: &Frame) -> String {
 }
 
 pub fn run(a: &TopArgs) -> anyhow::Result<()> {
+    run_view(a).map_err(|e| a.admin.explain(e))
+}
+
+fn run_view(a: &TopArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -196,7 +231,12 @@ pub fn run(a: &TopArgs) -> anyhow::Result<()> {
             reply,
         })
     };
-    if a.once {
+    use std::io::IsTerminal;
+    let terminal = std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
+    if !a.once && !terminal {
+        eprintln!("omnictl top: not a terminal, so one frame as text (as with --once)");
+    }
+    if a.once || !terminal {
         let first = snap()?;
         std::thread::sleep(interval);
         let second = snap()?;
@@ -227,25 +267,22 @@ pub fn run(a: &TopArgs) -> anyhow::Result<()> {
                     } else {
                         Style::default().fg(Color::Red)
                     };
-                    Row::new(r.iter().map(|c| Cell::from(c.clone()))).style(style)
+                    (r, style)
                 });
-                let widths = [
-                    Constraint::Length(7),
-                    Constraint::Length(8),
-                    Constraint::Length(8),
-                    Constraint::Length(BAR as u16 + 1),
-                    Constraint::Min(22),
-                    Constraint::Length(9),
-                    Constraint::Length(8),
-                    Constraint::Length(5),
-                    Constraint::Length(22),
-                    Constraint::Length(11),
-                    Constraint::Min(8),
-                ];
+                // The columns that fit the terminal, each as wide as its
+                // widest cell, so that none runs into the next.
+                let keep = fit(&column_widths(&f), usize::from(body.width));
+                let widths = keep
+                    .iter()
+                    .map(|&i| Constraint::Length(column_widths(&f)[i] as u16));
+                let rows = rows.map(|(r, style)| {
+                    Row::new(keep.iter().map(|&i| Cell::from(r[i].clone()))).style(style)
+                });
                 t.render_widget(
                     Table::new(rows, widths)
+                        .column_spacing(SPACING as u16)
                         .header(
-                            Row::new(f.header.iter().copied())
+                            Row::new(keep.iter().map(|&i| f.header[i]))
                                 .style(Style::default().add_modifier(Modifier::BOLD)),
                         )
                         .block(Block::default().borders(Borders::TOP)),
@@ -292,5 +329,59 @@ mod tests {
         assert_eq!(b.chars().filter(|&c| c == '█').count(), 5);
         // 61 layers (DeepSeek-R1): the last layer still shows.
         assert!(layer_bar(61, |l| l == 60).ends_with('█'));
+    }
+
+    /// A two-stage Gemma cluster's frame.
+    fn gemma_frame() -> Frame {
+        let w = |id: &str, stage: u32, start: u32, end: u32| WorkerInfo {
+            id: id.into(),
+            kind: "stage".into(),
+            device: "cpu".into(),
+            stage,
+            layer_start: start,
+            layer_end: end,
+            layers: format!("embed + layers {start}-{}", end - 1),
+            memory_total: 23 << 30,
+            memory_planned: 300 << 20,
+            kv_cells_total: 8192,
+            health: "serving".into(),
+            ..Default::default()
+        };
+        let reply = ListWorkersReply {
+            model: "gemma3-270m".into(),
+            n_layer: 18,
+            workers: vec![w("w0", 0, 0, 9), w("w1", 1, 9, 18)],
+            ..Default::default()
+        };
+        frame(
+            &Sample {
+                at: Instant::now(),
+                reply,
+            },
+            None,
+        )
+    }
+
+    #[test]
+    fn the_columns_fit_80_characters_and_all_show_at_160() {
+        let f = gemma_frame();
+        let widths = column_widths(&f);
+        let used = |keep: &[usize]| -> usize {
+            keep.iter().map(|&i| widths[i]).sum::<usize>() + SPACING * (keep.len() - 1)
+        };
+        let narrow = fit(&widths, 80);
+        assert!(used(&narrow) <= 80, "{narrow:?} {widths:?}");
+        for must in ["worker", "range", "health", "tok/s in"] {
+            let i = f.header.iter().position(|h| *h == must).unwrap();
+            assert!(narrow.contains(&i), "{must} shows at 80 columns");
+        }
+        let wide = fit(&widths, 160);
+        assert_eq!(wide.len(), f.header.len(), "every column at 160");
+        // Each column is as wide as its widest cell: none runs into the next.
+        for r in &f.rows {
+            for (c, w) in r.iter().zip(&widths) {
+                assert!(c.chars().count() <= *w);
+            }
+        }
     }
 }

@@ -42,14 +42,19 @@ pub struct UpArgs {
     /// turns on them).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
-    /// Memory each worker offers, e.g. 2GiB (default: what the machine has free).
+    /// Memory each worker offers, e.g. 2GiB (default: what the machine has
+    /// free). Local workers share the machine's memory: the planner counts
+    /// it once, and this caps each worker alone.
     #[arg(long)]
     pub memory: Option<String>,
     /// Manual split by proportion (e.g. 3,1).
     #[arg(long)]
     pub split: Option<String>,
-    /// Manual split by layer counts (e.g. 12,12).
+    /// Manual split by layer counts per stage (e.g. 12,12).
     #[arg(long)]
+    pub counts: Option<String>,
+    /// Refused with a pointer to --counts (--layers is a range elsewhere).
+    #[arg(long, hide = true)]
     pub layers: Option<String>,
     /// Coordinator metrics listen address (GET /metrics).
     #[arg(long)]
@@ -57,9 +62,19 @@ pub struct UpArgs {
     /// Also start the OpenAI router on this port (0: no router).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// API key the router requires (also OMNI_API_KEYS); none: open.
+    /// A file holding the API key(s) the router requires, one per line
+    /// (or the keys in OMNI_API_KEYS, comma-separated); none: open.
     #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Refused: a key on the command line is visible to every user in `ps`.
+    #[arg(long, hide = true)]
     pub api_key: Option<String>,
+    /// A file holding the admin token (made, readable by you only, if it
+    /// does not exist). Default: OMNI_ADMIN_TOKEN when set, else a new
+    /// token in ~/.local/state/omni/admin-token-HOST_PORT, where
+    /// `omnictl workers`, `top`, `plan` and `rebalance` find it.
+    #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
     /// Export every process's traces over OTLP/HTTP to this base URL (e.g.
     /// http://127.0.0.1:6006 for Arize Phoenix); also
     /// OTEL_EXPORTER_OTLP_ENDPOINT, which the processes inherit.
@@ -132,10 +147,13 @@ impl UpArgs {
             device: vec![omni_engine::Device::Cpu],
             memory: None,
             split: None,
+            counts: None,
             layers: None,
             metrics: None,
             port: 0,
+            api_key_file: None,
             api_key: None,
+            admin_token_file: None,
             otlp_endpoint: None,
             register_timeout: 60.0,
             cpu_workers: 0,
@@ -196,8 +214,11 @@ impl LocalCluster {
         if let Some(s) = &a.split {
             c.args(["--split", s]);
         }
-        if let Some(l) = &a.layers {
-            c.args(["--layers", l]);
+        if let Some(l) = &a.counts {
+            c.args(["--counts", l]);
+        }
+        if let Some(f) = &a.admin_token_file {
+            c.arg("--admin-token-file").arg(f);
         }
         if let Some(m) = &a.metrics {
             c.args(["--metrics-listen", m]);
@@ -289,8 +310,10 @@ impl LocalCluster {
                     "--model",
                     &format!("{name}={},{},default", a.listen, a.model),
                 ]);
-            if let Some(k) = &a.api_key {
-                r.args(["--api-key", k]);
+            // Keys reach the router as a file or through the environment
+            // it inherits (OMNI_API_KEYS), never its command line.
+            if let Some(f) = &a.api_key_file {
+                r.arg("--api-keys-file").arg(f);
             }
             traced(&mut r);
             cluster.add("router", r)?;
@@ -379,17 +402,34 @@ impl LocalCluster {
     }
 }
 
-pub fn run(a: UpArgs) -> anyhow::Result<()> {
+pub fn run(mut a: UpArgs) -> anyhow::Result<()> {
     if a.stages == 0 {
         anyhow::bail!("--stages must be at least 1");
     }
+    if let Some(l) = &a.layers {
+        anyhow::bail!("{}", crate::counts_not_layers(l));
+    }
+    if a.api_key.is_some() {
+        anyhow::bail!(
+            "--api-key would show the key to every user of this machine (ps); put it in a file and pass --api-key-file FILE, or set OMNI_API_KEYS"
+        );
+    }
+    // Fail first on the real cause: a port in use is found here, in
+    // milliseconds, not after the workers' retries.
+    check_ports(&a)?;
+    let token_note = admin_token(&mut a)?;
     let model = crate::resolve_model(&a.model)?;
     // Every worker gets every core: local stages share the CPUs, so the
     // coordinator has them take turns (one micro-batch group, see the
     // coordinator's pipeline.rs) and each step runs on all of them.
-    let threads = a
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads.unwrap_or(cores);
+    let warning = a
         .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        .and_then(|t| threads_warning(a.stages, a.cpu_workers, t, cores));
+    if let Some(warning) = warning {
+        eprintln!("omnictl: warning: {warning}");
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     {
@@ -448,6 +488,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
                             a.port, a.model
                         );
                     }
+                    eprintln!("omnictl: {token_note}");
                 }
             }
         }
@@ -455,6 +496,132 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     };
     cluster.stop();
     result
+}
+
+/// Every address `up` will listen on, with the flag that sets it.
+fn listen_addresses(a: &UpArgs) -> Vec<(&'static str, String)> {
+    let mut out = vec![
+        ("--listen", a.listen.clone()),
+        (
+            "--admin-listen",
+            a.admin_listen
+                .clone()
+                .unwrap_or_else(|| "127.0.0.1:7071".into()),
+        ),
+    ];
+    if let Some(m) = &a.metrics {
+        out.push(("--metrics", m.clone()));
+    }
+    if a.port != 0 {
+        out.push(("--port", format!("127.0.0.1:{}", a.port)));
+    }
+    out
+}
+
+/// Binds every address `up` will listen on (and lets go at once), so that
+/// one in use is reported before anything starts, naming its flag.
+pub fn check_ports(a: &UpArgs) -> anyhow::Result<()> {
+    let addrs = listen_addresses(a);
+    for (i, (flag, addr)) in addrs.iter().enumerate() {
+        if let Some((other, _)) = addrs[..i].iter().find(|(_, x)| x == addr) {
+            anyhow::bail!("{other} and {flag} both name {addr}: give each its own port");
+        }
+        if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
+            anyhow::bail!(
+                "{flag} {addr}: cannot listen there: {e} (another omni cluster? stop it, or pick another address with {flag})"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Makes sure the coordinator gets an admin token: OMNI_ADMIN_TOKEN when
+/// set; else the file of --admin-token-file, made with a new token if it
+/// is not there; else a new token in the file `omnictl` looks in for this
+/// admin address. Returns the line that tells the user where it is.
+fn admin_token(a: &mut UpArgs) -> anyhow::Result<String> {
+    let addr = a
+        .admin_listen
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1:7071".into());
+    if std::env::var("OMNI_ADMIN_TOKEN").is_ok_and(|t| !t.is_empty()) {
+        a.admin_token_file = None;
+        return Ok(format!(
+            "admin API at {addr}, its token from OMNI_ADMIN_TOKEN"
+        ));
+    }
+    let path = match &a.admin_token_file {
+        Some(p) if p.exists() => {
+            return Ok(format!(
+                "admin API at {addr}, its token in {} (give omnictl --token-file)",
+                p.display()
+            ))
+        }
+        Some(p) => p.clone(),
+        None => crate::admin::token_path(&addr),
+    };
+    write_new_token(&path)?;
+    a.admin_token_file = Some(path.clone());
+    let find = if path == crate::admin::token_path(&addr) {
+        "omnictl workers, top, plan and rebalance find it there"
+    } else {
+        "give omnictl --token-file"
+    };
+    Ok(format!(
+        "admin API at {addr}, a new token in {} (readable by you only; {find})",
+        path.display()
+    ))
+}
+
+/// A random token (256 bits, hex) in a file only its owner can read.
+fn write_new_token(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let mut raw = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut raw))
+        .context("cannot read /dev/urandom for the admin token")?;
+    let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot make {}", dir.display()))?;
+    }
+    // A new file each time: an old one may have other permissions.
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot write the admin token to {}", path.display()))?;
+    writeln!(f, "{token}")?;
+    Ok(())
+}
+
+/// A warning when the threads asked for are more than the cores: a step
+/// of a local stage runs on all its threads (stages take turns), and
+/// expert workers compute at the same time as the stages.
+fn threads_warning(
+    stages: usize,
+    cpu_workers: usize,
+    threads: usize,
+    cores: usize,
+) -> Option<String> {
+    let at_once = threads * (1 + cpu_workers);
+    (at_once > cores).then(|| {
+        let who = if cpu_workers > 0 {
+            format!("a stage and {cpu_workers} expert worker(s) computing at once")
+        } else {
+            format!("each of the {stages} stage(s) (they take turns)")
+        };
+        format!(
+            "{stages} stage(s) x {threads} thread(s): {who} would run {at_once} threads on this machine's {cores} cores, and threads that wait for a core slow every step; give --threads {} or leave it out",
+            (cores / (1 + cpu_workers)).max(1)
+        )
+    })
 }
 
 /// SIGTERM to every child, then SIGKILL to whatever is left after 5 s.
@@ -489,6 +656,12 @@ fn spawn_logged(name: &str, cmd: &mut Command, quiet: bool) -> anyhow::Result<Ch
     // the children in order instead of racing them.
     use std::os::unix::process::CommandExt;
     cmd.process_group(0);
+    // Colour in the children's logs only when this process's own output
+    // goes to a terminal: a redirected `up` writes no escape codes.
+    if std::env::var_os("OMNI_LOG_COLOR").is_none() {
+        let colour = !quiet && omni_telemetry::log_colour();
+        cmd.env("OMNI_LOG_COLOR", if colour { "1" } else { "0" });
+    }
     if quiet {
         cmd.stdout(Stdio::null()).stderr(Stdio::null());
         return cmd

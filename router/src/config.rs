@@ -136,7 +136,8 @@ pub struct RouterConfig {
     #[arg(long, env = env::AUTO)]
     pub auto: Option<String>,
     /// API keys clients must send as `Authorization: Bearer KEY`
-    /// (comma-separated); none means no authentication.
+    /// (comma-separated); none means no authentication. Better as
+    /// OMNI_API_KEYS or --api-keys-file: a flag shows in `ps`.
     #[arg(long = "api-key", env = env::API_KEYS, value_delimiter = ',')]
     pub api_keys: Vec<String>,
     /// A file of API keys (one per line, or comma-separated), e.g. a

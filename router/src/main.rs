@@ -41,6 +41,10 @@ enum Command {
 
 fn main() {
     omni_telemetry::forget_empty_settings();
+    omni_telemetry::warn_secret_flags(
+        "omni-router",
+        &[("--api-key", "OMNI_API_KEYS or --api-keys-file")],
+    );
     let cli = Cli::parse();
     let (cfg, print) = match cli.command {
         Some(Command::PrintConfig(cfg)) => (cfg, true),

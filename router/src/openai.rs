@@ -9,7 +9,8 @@
 //!   OpenAI's spec and means "only the most likely token"), `presence_penalty` and
 //!   `frequency_penalty` -2..=2, `logit_bias` values -100..=100 with token-id keys,
 //!   `top_logprobs` 0..=20 (needs `logprobs: true`), completions `logprobs` 0..=5, `stop` at
-//!   most 4 strings, `max_tokens` / `max_completion_tokens` at least 1.
+//!   most [`MAX_STOP`] strings (OpenAI allows 4; local servers any number, and harnesses
+//!   such as HumanEval's send 5), `max_tokens` / `max_completion_tokens` at least 1.
 //! - `n` 1..=[`MAX_N`]: our limit, lower than OpenAI's 128, because every choice is a
 //!   sequence of its own in the cluster, which has few sequence slots.
 //! - Extensions from llama.cpp and vLLM: `top_k` (0 or negative: off), `min_p` 0..=1,
@@ -50,8 +51,10 @@ use serde_json::{Number, Value};
 
 /// The most choices one request may ask for.
 pub const MAX_N: u32 = 16;
-/// The most stop strings one request may give.
-pub const MAX_STOP: usize = 4;
+/// The most stop strings one request may give: more than OpenAI's 4, as
+/// llama-server and vLLM take (HumanEval harnesses send 5), bounded so a
+/// request cannot make every decoded piece scan thousands of strings.
+pub const MAX_STOP: usize = 16;
 /// The most alternatives per token for chat `top_logprobs`.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The most alternatives per token for completions `logprobs`.
@@ -1113,7 +1116,7 @@ impl ChatCompletionRequest {
         Ok(GenerateRequest {
             prompt: Some(Prompt::Chat(chat)),
             // Absent: 0, which the coordinator reads as "until the context is full".
-            max_tokens: max_completion.or(max_tokens).unwrap_or(0),
+            max_tokens: max_completion.or(max_tokens),
             sampling: Some(common.sampling()?),
             stop: common.stop()?,
             ignore_eos: self.ignore_eos == Some(true),
@@ -1344,7 +1347,7 @@ impl CompletionRequest {
         };
         Ok(GenerateRequest {
             prompt: Some(prompt),
-            max_tokens,
+            max_tokens: Some(max_tokens),
             sampling: Some(common.sampling()?),
             stop: common.stop()?,
             ignore_eos: self.ignore_eos == Some(true),

@@ -121,7 +121,7 @@ fn streaming_chat_request_from_the_python_client() {
         }))
     );
     // No limit asked: 0, "until the context is full".
-    assert_eq!(g.max_tokens, 0);
+    assert_eq!(g.max_tokens, None);
     let s = g.sampling.unwrap();
     // OpenAI's defaults: temperature 1, top_p 1.
     assert_eq!(s.temperature, 1.0);
@@ -173,7 +173,7 @@ fn every_chat_field_reaches_the_generate_request() {
     })))
     .unwrap();
     // max_completion_tokens wins over the deprecated max_tokens.
-    assert_eq!(g.max_tokens, 20);
+    assert_eq!(g.max_tokens, Some(20));
     assert_eq!(g.stop, vec!["END".to_string()]);
     assert!(g.logprobs);
     assert_eq!(g.top_logprobs, 3);
@@ -202,9 +202,14 @@ fn every_chat_field_reaches_the_generate_request() {
     );
 
     let g = chat(chat_with(json!({"max_tokens": 50, "stop": ["a", "", "b"]}))).unwrap();
-    assert_eq!(g.max_tokens, 50);
+    assert_eq!(g.max_tokens, Some(50));
     // An empty stop string would end every generation at once: dropped.
     assert_eq!(g.stop, vec!["a".to_string(), "b".to_string()]);
+
+    // A HumanEval harness's five stop strings, as local servers take them.
+    let humaneval = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"];
+    let g = chat(chat_with(json!({"stop": humaneval}))).unwrap();
+    assert_eq!(g.stop, humaneval);
 }
 
 #[test]
@@ -217,7 +222,7 @@ fn nulls_are_absent_fields() {
     .unwrap();
     let s = g.sampling.unwrap();
     assert_eq!((s.temperature, s.top_p, s.seed), (1.0, 1.0, None));
-    assert_eq!(g.max_tokens, 0);
+    assert_eq!(g.max_tokens, None);
 }
 
 #[test]
@@ -317,7 +322,7 @@ fn completions_request_with_logprobs() {
     assert!(req.logprobs());
     let g = req.to_generate().unwrap();
     assert_eq!(g.prompt, Some(Prompt::Text("Say this is a test".into())));
-    assert_eq!(g.max_tokens, 7);
+    assert_eq!(g.max_tokens, Some(7));
     assert_eq!(g.sampling.as_ref().unwrap().temperature, 0.0);
     assert!(g.logprobs);
     assert_eq!(g.top_logprobs, 2);
@@ -333,8 +338,8 @@ fn completions_request_with_logprobs() {
 #[test]
 fn completions_defaults_and_prompt_shapes() {
     let g = completion(completion_with(json!({}))).unwrap();
-    assert_eq!(g.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS);
-    assert_eq!(g.max_tokens, 16);
+    assert_eq!(g.max_tokens, Some(COMPLETION_DEFAULT_MAX_TOKENS));
+    assert_eq!(g.max_tokens, Some(16));
     assert_eq!(g.sampling.unwrap().temperature, 1.0);
 
     let prompt = |p: Value| completion(completion_with(json!({ "prompt": p }))).map(|g| g.prompt);
@@ -451,9 +456,9 @@ fn out_of_range_values_name_the_field_and_the_limit() {
             "top_logprobs is 2 but logprobs is not true; set \"logprobs\": true to get log probabilities",
         ),
         (
-            json!({"stop": ["a", "b", "c", "d", "e"]}),
+            json!({"stop": (0..17).map(|i| i.to_string()).collect::<Vec<_>>()}),
             "stop",
-            "stop has 5 strings but at most 4 are allowed",
+            "stop has 17 strings but at most 16 are allowed",
         ),
         (
             json!({"stop": ["a", 5]}),
@@ -463,7 +468,7 @@ fn out_of_range_values_name_the_field_and_the_limit() {
         (
             json!({"stop": {"a": 1}}),
             "stop",
-            "stop is an object but must be a string or an array of up to 4 strings",
+            "stop is an object but must be a string or an array of up to 16 strings",
         ),
         (
             json!({"min_p": 1.5}),
@@ -805,7 +810,7 @@ fn integers_may_have_a_zero_fraction() {
     let req: ChatCompletionRequest = parse_json(body.to_string().as_bytes()).unwrap();
     assert_eq!(req.n(), 2);
     let g = req.to_generate().unwrap();
-    assert_eq!((g.max_tokens, g.top_logprobs), (6, 3));
+    assert_eq!((g.max_tokens, g.top_logprobs), (Some(6), 3));
     let s = g.sampling.unwrap();
     assert_eq!((s.seed, s.top_k), (Some(7), 40));
     let g = completion(completion_with(json!({
@@ -818,7 +823,7 @@ fn integers_may_have_a_zero_fraction() {
             ids: vec![2, 9259]
         }))
     );
-    assert_eq!((g.max_tokens, g.top_logprobs), (4, 2));
+    assert_eq!((g.max_tokens, g.top_logprobs), (Some(4), 2));
 
     // A fraction is still a 400 that names the field.
     let e = chat(chat_with(json!({"n": 1.5}))).unwrap_err();

@@ -78,6 +78,19 @@ impl Drop for Telemetry {
     }
 }
 
+/// Whether log lines carry ANSI colour: `OMNI_LOG_COLOR` (1 or 0) when
+/// set (`omnictl up` sets it for its children from its own terminal),
+/// else only when stderr is a terminal and `NO_COLOR` is not set. A log
+/// file or a pipe gets no escape codes.
+pub fn log_colour() -> bool {
+    use std::io::IsTerminal;
+    match std::env::var("OMNI_LOG_COLOR").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => std::env::var_os("NO_COLOR").is_none() && std::io::stderr().is_terminal(),
+    }
+}
+
 /// Sets up logging and, when configured, trace export. `instance` names
 /// this process among others of the same service (a worker's id).
 pub fn init(
@@ -87,6 +100,7 @@ pub fn init(
 ) -> anyhow::Result<Telemetry> {
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_ansi(log_colour())
         .with_filter(filter("OMNI_LOG", "info"));
     let (traces, provider) = match args.traces_url() {
         None => (None, None),
@@ -259,6 +273,21 @@ pub fn read_secret(path: &std::path::Path, what: &str) -> Result<String, String>
         return Err(format!("{what}: {} is empty", path.display()));
     }
     Ok(s.to_string())
+}
+
+/// Warns (on stderr) for each of `flags` given on this process's command
+/// line, where every user of the machine can read it in `ps`; `instead`
+/// says how to give it. Secrets belong in files or the environment.
+pub fn warn_secret_flags(service: &str, flags: &[(&str, &str)]) {
+    for arg in std::env::args().skip(1) {
+        for (flag, instead) in flags {
+            if arg == *flag || arg.starts_with(&format!("{flag}=")) {
+                eprintln!(
+                    "{service}: warning: {flag} on the command line is visible to every user of this machine (ps); give it as {instead}"
+                );
+            }
+        }
+    }
 }
 
 /// `value`, or the secret in `file`; both given is an error.

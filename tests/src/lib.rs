@@ -32,8 +32,8 @@ pub fn target_bin(name: &str) -> PathBuf {
 }
 
 /// A port nobody listens on right now.
-/// `omnictl ARGS --admin ADDR [--token T]`, with `OMNI_ADMIN_TOKEN` unset
-/// so that only the flag counts: (succeeded, stdout, stderr).
+/// `omnictl ARGS --admin ADDR` with `OMNI_ADMIN_TOKEN` set to the token
+/// (or unset): (succeeded, stdout, stderr).
 pub fn omnictl_admin(
     admin_addr: &str,
     token: Option<&str>,
@@ -42,9 +42,10 @@ pub fn omnictl_admin(
     let mut cmd = Command::new(target_bin("omnictl"));
     cmd.args(args)
         .args(["--admin", admin_addr])
-        .env_remove("OMNI_ADMIN_TOKEN");
+        .env_remove("OMNI_ADMIN_TOKEN")
+        .env_remove("OMNI_ADMIN_TOKEN_FILE");
     if let Some(t) = token {
-        cmd.args(["--token", t]);
+        cmd.env("OMNI_ADMIN_TOKEN", t);
     }
     let out = cmd.output().expect("omnictl runs");
     (
@@ -390,7 +391,7 @@ impl Cluster {
         bound: Duration,
     ) -> (String, Duration) {
         let mut retry = req.clone();
-        retry.max_tokens = 4;
+        retry.max_tokens = Some(4);
         let mut client = self.client().expect("coordinator reachable");
         let mut stream = self.rt.block_on(async {
             let mut stream = client.generate(req).await.unwrap().into_inner();
@@ -447,7 +448,7 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
         prompt: Some(Prompt::Ids(TokenIds {
             ids: prompt.to_vec(),
         })),
-        max_tokens: max_tokens as u32,
+        max_tokens: Some(max_tokens as u32),
         ignore_eos: true,
         ..Default::default()
     }
@@ -697,7 +698,12 @@ impl Supervised {
                 "0",
             ])
             .args(args)
-            .env("OMNI_LOG", "info");
+            .env("OMNI_LOG", "info")
+            // The admin token `up` makes goes to this test's folder, not
+            // the user's ~/.local/state.
+            .env("XDG_STATE_HOME", dir.path())
+            .env_remove("OMNI_ADMIN_TOKEN")
+            .env_remove("OMNI_ADMIN_TOKEN_FILE");
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -731,6 +737,11 @@ impl Supervised {
                 .map(|r| r.into_inner())
                 .map_err(|s| s.message().to_string())
         })
+    }
+
+    /// The folder `up` keeps its admin token in (its XDG_STATE_HOME).
+    pub fn state_dir(&self) -> &Path {
+        self._dir.path()
     }
 
     /// Waits until the coordinator says it serves (panics with the log).

@@ -51,16 +51,20 @@ fn omnictl(c: &Cluster, token: Option<&str>, args: &[&str]) -> (bool, String, St
 fn admin_api_needs_its_token_and_lives_on_its_own_listener() {
     let _g = serial();
     let c = cluster(Some(TOKEN));
+    // Refused, saying what to set (or where the wrong token came from).
     for (token, why) in [
-        (None, "need `authorization: Bearer"),
-        (Some("nope"), "wrong admin token"),
+        (
+            None,
+            "wants a token and none was found: set OMNI_ADMIN_TOKEN or pass --token-file",
+        ),
+        (
+            Some("nope"),
+            "refused the token from OMNI_ADMIN_TOKEN: wrong admin token",
+        ),
     ] {
         let (ok, _, err) = omnictl(&c, token, &["workers"]);
         assert!(!ok, "refused without the right token");
-        assert!(
-            err.contains(why) && err.contains("Unauthenticated"),
-            "{err}"
-        );
+        assert!(err.contains(why), "{err}");
     }
     // The admin service is not on the inference port, nor inference on the admin port.
     c.rt.block_on(async {
@@ -158,7 +162,7 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
             .unwrap_or_else(|| panic!("{id} has a layer bar:\n{top}"))
             .to_string()
     };
-    // embed + layers 0..2 | layers 2..4 + head | the experts of 1-3.
+    // embed + layers 0-1 | layers 2-3 + head | the experts of 1-3.
     assert_eq!(bar("w0"), "██··", "{top}");
     assert_eq!(bar("w1"), "··██", "{top}");
     assert_eq!(bar("c0"), "·███", "{top}");
@@ -195,7 +199,7 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
     );
 
     // A dry run of another split: its own arithmetic, nothing moves.
-    let (ok, dry, err) = omnictl(&c, Some(TOKEN), &["plan", "--layers", "1,3", "--json"]);
+    let (ok, dry, err) = omnictl(&c, Some(TOKEN), &["plan", "--counts", "1,3", "--json"]);
     assert!(ok, "{err}");
     let p: serde_json::Value = serde_json::from_str(&dry).unwrap();
     let ranges: Vec<(u64, u64)> = p["stages"]
@@ -208,9 +212,9 @@ fn workers_and_plan_show_the_cluster_and_a_dry_run_moves_nothing() {
         })
         .collect();
     assert_eq!(ranges, [(0, 1), (1, 4)], "{dry}");
-    let (ok, _, err) = omnictl(&c, Some(TOKEN), &["plan", "--layers", "4,0"]);
+    let (ok, _, err) = omnictl(&c, Some(TOKEN), &["plan", "--counts", "4,0"]);
     assert!(
-        !ok && err.contains("no layers"),
+        !ok && err.contains("--counts 4,0") && err.contains("no layers"),
         "an impossible split is refused: {err}"
     );
     let (ok, again, _) = omnictl(&c, Some(TOKEN), &["plan"]);

@@ -116,7 +116,7 @@ fn text_prompt_gives_llama_cpp_tokens() {
     let ev = cluster
         .generate(GenerateRequest {
             prompt: Some(Prompt::Text(text)),
-            max_tokens: N_GEN as u32,
+            max_tokens: Some(N_GEN as u32),
             ignore_eos: true,
             ..Default::default()
         })
@@ -282,15 +282,20 @@ fn worker_that_never_registers_is_reported() {
 #[test]
 fn worker_dying_mid_request_ends_the_stream_with_a_clear_error_when_it_cannot_recover() {
     let _g = serial();
-    // Nobody restarts w1 here, and w0 alone cannot hold the model (each
-    // worker offers 900 MiB; the model needs 928 MiB on one): after the
-    // rejoin timeout the planner refuses, and at the recovery deadline the
-    // request ends, saying why (recovery itself is tests/tests/recovery.rs).
+    // Nobody restarts w1 here, and w0 alone cannot hold the model (w0
+    // offers 900 MiB; the model needs 928 MiB on one): after the rejoin
+    // timeout the planner refuses, and at the recovery deadline the request
+    // ends, saying why (recovery itself is tests/tests/recovery.rs). w1
+    // offers more: on one host the two share its RAM, the larger offer,
+    // which must hold both stages.
     let mut spec = ClusterSpec::new(2, "shm");
     spec.coordinator_args = ["--recovery-timeout", "4", "--rejoin-timeout", "1"]
         .map(String::from)
         .to_vec();
-    spec.worker_args = vec![vec!["--memory".into(), "900MiB".into()]; 2];
+    spec.worker_args = vec![
+        vec!["--memory".into(), "900MiB".into()],
+        vec!["--memory".into(), "4GiB".into()],
+    ];
     let mut c = Cluster::start(&model(GEMMA), &spec);
     let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let (msg, after) =

@@ -343,6 +343,7 @@ fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
             free_bytes: bytes,
             total_bytes: bytes,
             read_rate: 0,
+            pool: None,
         };
         let roomy = [spec("w0", 1 << 40), spec("w1", 1 << 40)];
         let whole = plan_with_experts(&model, &roomy, &[], &cfg).unwrap();
@@ -366,7 +367,7 @@ fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
         let mut cs = expert_spec("shm", &["--ubatch", "64"]);
         cs.ctx = 256;
         cs.seqs = 1;
-        cs.worker_args = vec![vec!["--memory".into(), offer.to_string()]; 2];
+        cs.worker_args = vec![vec!["--memory".into(), format!("{offer}B")]; 2];
         cs.cpu_worker_args[0].extend(["--memory".into(), "1GiB".into()]);
         let c = Cluster::start(&path, &cs);
         let info = c.info().unwrap();

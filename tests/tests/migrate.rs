@@ -51,13 +51,13 @@ fn cluster(worker_args: Vec<Vec<String>>) -> Cluster {
         TOKEN.into(),
         "--micro-batches".into(),
         "4".into(),
-        "--layers".into(),
+        "--counts".into(),
         "7,5,6".into(),
     ];
     Cluster::start(&model(GEMMA), &spec)
 }
 
-/// `omnictl ARGS --admin .. --token ..`: (success, stdout, stderr).
+/// `omnictl ARGS --admin ..` with the token: (success, stdout, stderr).
 fn omnictl(c: &Cluster, args: &[&str]) -> (bool, String, String) {
     omni_tests::omnictl_admin(&c.admin_addr, Some(TOKEN), args)
 }
@@ -374,7 +374,8 @@ fn moves_that_cannot_work_are_refused_up_front_and_nothing_changes() {
     bad(&["rebalance", "--counts", "9,9"], "refused");
     bad(&["drain", "w9"], "no stage worker 'w9'");
     let (ok, _, err) = Command::new(target_bin("omnictl"))
-        .args(["drain", "w1", "--admin", &c.admin_addr, "--token", "wrong"])
+        .args(["drain", "w1", "--admin", &c.admin_addr])
+        .env("OMNI_ADMIN_TOKEN", "wrong")
         .output()
         .map(|o| {
             (
@@ -384,7 +385,10 @@ fn moves_that_cannot_work_are_refused_up_front_and_nothing_changes() {
             )
         })
         .unwrap();
-    assert!(!ok && err.contains("wrong admin token"), "{err}");
+    assert!(
+        !ok && err.contains("wrong admin token") && err.contains("OMNI_ADMIN_TOKEN"),
+        "{err}"
+    );
     // Nothing moved, and it serves.
     assert_eq!(plan_json(&c), plan);
     let p = &prompts(1)[0];
@@ -422,7 +426,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
         "cpu",
         "--micro-batches",
         "2",
-        "--layers",
+        "--counts",
         "2,2",
     ]
     .map(String::from)
@@ -452,10 +456,11 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
         .collect();
     let streams = start_streams(&c.addr, reqs);
     streams.wait_for(4);
-    // Layer 1 to w1, which now calls c0 for it; then layers 1-2 to w0.
+    // Layer 1 to w1, which now calls c0 for it; then layers 1-2 to w0
+    // (written 1..3, the half-open form, read as the same range).
     move_ok(&c, &["rebalance", "--layers", "1", "--to", "w1"]);
     assert_eq!(offloaded(&c), ["", "1-3"]);
-    move_ok(&c, &["rebalance", "--layers", "1-2", "--to", "w0"]);
+    move_ok(&c, &["rebalance", "--layers", "1..3", "--to", "w0"]);
     assert_eq!(offloaded(&c), ["1-2", "3"]);
     let at_last_move = streams.progress.load(Ordering::Relaxed);
     let results = streams.handle.join().unwrap();

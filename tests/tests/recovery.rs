@@ -49,7 +49,7 @@ fn cluster(env: &[(&str, &str)]) -> Supervised {
             "1",
             "--experts",
             "cpu",
-            "--layers",
+            "--counts",
             "2,2",
         ],
         env,
@@ -96,7 +96,10 @@ fn run_through(
     what: &str,
     hurt: impl FnOnce(&Supervised),
 ) -> Duration {
-    let total: usize = reqs.iter().map(|r| r.max_tokens as usize).sum();
+    let total: usize = reqs
+        .iter()
+        .map(|r| r.max_tokens.unwrap_or(0) as usize)
+        .sum();
     let streams = start_streams(&c.addr, reqs);
     streams.wait_for(total / 8);
     hurt(c);
@@ -151,7 +154,7 @@ fn streams_survive_kill_9_of_the_first_stage_the_last_stage_and_the_cpu_worker()
 fn gemma_streams_survive_kill_9_of_a_middle_stage() {
     let c = supervised(
         &omni_tests::fixtures::model(omni_tests::fixtures::GEMMA),
-        &["--stages", "3", "--layers", "7,5,6"],
+        &["--stages", "3", "--counts", "7,5,6"],
         &[],
     );
     let reqs: Vec<GenerateRequest> = omni_tests::short_prompts("real_gemma3_270m.json", 4)
@@ -202,7 +205,7 @@ fn a_stopped_worker_is_found_by_its_heartbeat_and_the_others_take_its_layers() {
         .collect();
     assert_eq!(
         stages,
-        [("w0".to_string(), "embed + layers 0..4 + head".to_string())]
+        [("w0".to_string(), "embed + layers 0-3 + head".to_string())]
     );
     eprintln!(
         "SIGSTOP w1: noticed after {:.2} s, longest pause {:.2} s (with a 2 s rejoin timeout), identical tokens; w0 now runs every layer",
@@ -331,7 +334,7 @@ fn a_constrained_answer_survives_kill_9_of_the_stage_that_holds_its_grammar() {
             }],
             ..Default::default()
         })),
-        max_tokens: 200,
+        max_tokens: Some(200),
         sampling: Some(Sampling {
             grammar: Some(Grammar {
                 kind: Some(Kind::JsonSchema(schema.to_string())),

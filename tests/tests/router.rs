@@ -421,3 +421,58 @@ coordinator = "127.0.0.1:1"
         assert!(body.contains("127.0.0.1:1"), "{body}");
     }
 }
+
+/// The README's first example, as a user pastes it: the body of its first
+/// curl, sent to the path it names on a cluster of the model it names,
+/// answers with sense (greedy, so the same answer every time).
+#[test]
+fn the_readme_first_example_answers_with_sense() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let curl = "curl -s http://127.0.0.1:8080";
+    let at = readme.find(curl).expect("the README has a curl example");
+    let cmd = &readme[at + curl.len()..];
+    let path = cmd.split_whitespace().next().unwrap().to_string();
+    let body = cmd
+        .split_once("-d '")
+        .and_then(|(_, b)| b.split_once('\''))
+        .map(|(b, _)| b)
+        .expect("a -d '...' body");
+    let req: Value = serde_json::from_str(body).expect("the README's body is JSON");
+    assert_eq!(req["temperature"], 0, "the first example is greedy: {req}");
+    assert_eq!(
+        req["model"], "gemma3-270m",
+        "the model `up` serves in the README"
+    );
+
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = serve(&[]);
+    let (st, out) = post(&s.addr, &path, &req);
+    assert_eq!(st, 200, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let text = v["choices"][0]["text"]
+        .as_str()
+        .or_else(|| v["choices"][0]["message"]["content"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    eprintln!("README example {path}: {text:?}");
+    // Sense: words, mostly different ones, about what was asked.
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let distinct: std::collections::HashSet<&str> = words.iter().copied().collect();
+    assert!(
+        words.len() >= 5 && distinct.len() * 2 >= words.len(),
+        "{text:?}"
+    );
+    assert!(
+        text.contains("France") || text.contains("Paris"),
+        "{text:?}"
+    );
+
+    // The router's port given where the coordinator's is meant is named.
+    let out = std::process::Command::new(omni_tests::target_bin("omnictl"))
+        .args(["generate", "--coordinator", &s.addr, "-p", "Hi", "-n", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("router"), "{err}");
+}
