@@ -2,6 +2,7 @@
 //!
 //! - [`gguf`]: our own strict GGUF reader (memory-mapped, zero-copy tensor views).
 //! - [`model`]: architectures (one file each), hyper-parameters from the file.
+//! - [`range`]: a layer range, the part of a model one stage runs.
 //! - [`stage`]: a layer range as the unit of execution, the hidden state between ranges.
 //! - [`experts`]: routed experts apart from their layers ([`ExpertStage`], [`ExpertExec`]).
 //! - [`kv`]: the per-stage KV cache shared by many sequences.
@@ -13,13 +14,17 @@ pub mod chat;
 pub mod device;
 pub mod error;
 pub mod gguf;
+pub mod kv;
+pub mod model;
 pub mod notation;
+pub mod range;
 pub mod sampling;
 pub mod tools;
 pub mod units;
 
 // The rest links ggml (the `ggml` feature, on by default): without it the crate is only
-// the modules above, which the fuzz targets (`fuzz/`) build without building llama.cpp.
+// the modules above (the file, its hyper-parameters and tensors, ranges, KV sizing,
+// text), which the planner and the fuzz targets build without building llama.cpp.
 #[cfg(feature = "ggml")]
 pub mod constraint;
 #[cfg(feature = "ggml")]
@@ -28,10 +33,6 @@ pub mod experts;
 mod ffi;
 #[cfg(feature = "ggml")]
 pub mod generate;
-#[cfg(feature = "ggml")]
-pub mod kv;
-#[cfg(feature = "ggml")]
-pub mod model;
 #[cfg(feature = "ggml")]
 pub mod stage;
 #[cfg(feature = "ggml")]
@@ -45,13 +46,12 @@ pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};
 pub use ffi::device::{GpuProps, CUDA_LIBRARY};
 #[cfg(feature = "ggml")]
 pub use generate::{Engine, GenerateOptions, Generation};
-#[cfg(feature = "ggml")]
 pub use kv::{KvConfig, KvLayer, KvLayers};
-#[cfg(feature = "ggml")]
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
 pub use notation::{count, fmt_layers, parse_layers};
+pub use range::LayerRange;
 #[cfg(feature = "ggml")]
-pub use stage::{Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput};
+pub use stage::{Batch, Hidden, HiddenDtype, Logits, Stage, StageConfig, StageOutput};
 #[cfg(feature = "ggml")]
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use units::{fmt_bytes, parse_rate, parse_size};

@@ -25,9 +25,7 @@ pub const TYPE_F16: RawType = sys::GGML_TYPE_F16;
 pub const TYPE_I32: RawType = sys::GGML_TYPE_I32;
 pub const TYPE_I64: RawType = sys::GGML_TYPE_I64;
 
-/// Rope modes (`GGML_ROPE_TYPE_*`).
-pub const ROPE_NORM: i32 = 0;
-pub const ROPE_NEOX: i32 = 2;
+pub use crate::model::{RopeParams, GRAPH_NODES};
 
 static INIT: Once = Once::new();
 
@@ -102,9 +100,6 @@ pub struct Tensor<'a> {
 // SAFETY: see `Ctx`; tensors in weight contexts are immutable after load.
 unsafe impl Send for Tensor<'_> {}
 unsafe impl Sync for Tensor<'_> {}
-
-/// How many tensors a graph of `n_nodes` nodes needs room for.
-pub const GRAPH_NODES: usize = 8192;
 
 impl Ctx {
     /// A context with room for `n_tensors` tensor headers (and one graph of
@@ -420,20 +415,6 @@ impl Ctx {
         }
         t
     }
-}
-
-/// Rotary embedding parameters, as `ggml_rope_ext` takes them.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RopeParams {
-    pub n_dims: i32,
-    pub mode: i32,
-    pub n_ctx_orig: i32,
-    pub freq_base: f32,
-    pub freq_scale: f32,
-    pub ext_factor: f32,
-    pub attn_factor: f32,
-    pub beta_fast: f32,
-    pub beta_slow: f32,
 }
 
 impl<'a> Tensor<'a> {

@@ -13,12 +13,15 @@
 //! - legacy (one `attn_kv_b`, early-2025 files): K and V are decompressed
 //!   for every head and cached as in plain multi-head attention.
 
+#[cfg(feature = "ggml")]
 use super::layers::{Activation, LayerCx};
+#[cfg(feature = "ggml")]
+use super::MoeInput;
 use super::{
-    at_most, key, opt, req, req_exps, ExpertGating, Hparams, MlaHparams, MoeInput, TensorSpec,
-    MAX_HEAD_DIM,
+    at_most, key, opt, req, req_exps, ExpertGating, Hparams, MlaHparams, TensorSpec, MAX_HEAD_DIM,
 };
 use crate::error::EngineError;
+#[cfg(feature = "ggml")]
 use crate::ffi::ggml::{row_size, Tensor};
 use crate::gguf::Gguf;
 
@@ -123,7 +126,7 @@ pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineErr
     }
     let mut n_expert_shared = 0;
     if n_layer_dense_lead < hp.n_layer {
-        let mut moe = super::moe::read_hparams(g, arch, hp.n_layer, hp.n_ff)?;
+        let mut moe = super::hparams::read_moe_hparams(g, arch, hp.n_layer, hp.n_ff)?;
         n_expert_shared = g.get_u32(&k("expert_shared_count"))?;
         if n_expert_shared == 0 {
             return bad(
@@ -276,6 +279,7 @@ pub(crate) fn layer_tensors(hp: &Hparams, il: u32) -> Vec<TensorSpec> {
     t
 }
 
+#[cfg(feature = "ggml")]
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
     let inp = moe_input(cx, il, x);
     if il < mla(cx.hp).n_layer_dense_lead {
@@ -290,6 +294,7 @@ pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) 
 }
 
 /// The shared experts of a MoE block: one gated FFN every token goes through.
+#[cfg(feature = "ggml")]
 pub(crate) fn shared_experts<'g>(cx: &LayerCx<'g, '_>, il: u32, cur: Tensor<'g>) -> Tensor<'g> {
     cx.ffn_gated_named(
         il,
@@ -304,6 +309,7 @@ pub(crate) fn shared_experts<'g>(cx: &LayerCx<'g, '_>, il: u32, cur: Tensor<'g>)
 }
 
 /// The block up to its FFN (dense or experts): attention, residual, FFN norm.
+#[cfg(feature = "ggml")]
 pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> MoeInput<'g> {
     let (g, hp) = (cx.g, cx.hp);
     let m = mla(hp);
@@ -386,6 +392,7 @@ pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) ->
 /// the absorbed queries over the cached rows, whose first `kv_lora_rank`
 /// elements serve as the values (`v` gives that width), then decompresses
 /// each head's output through `attn_v_b`. Returns `[n_head * v_dim, n_tokens]`.
+#[cfg(feature = "ggml")]
 fn attention_absorbed<'g>(
     cx: &mut LayerCx<'g, '_>,
     il: u32,

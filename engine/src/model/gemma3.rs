@@ -3,9 +3,11 @@
 //! sqrt(n_embd), and sliding-window (local) layers with their own rope base.
 //! Reference: llama.cpp `src/models/gemma3.cpp`.
 
+#[cfg(feature = "ggml")]
 use super::layers::{Activation, LayerCx};
 use super::{req, Hparams, SlidingWindow, TensorSpec};
 use crate::error::EngineError;
+#[cfg(feature = "ggml")]
 use crate::ffi::ggml::Tensor;
 use crate::gguf::{Gguf, Value};
 
@@ -80,6 +82,7 @@ pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
     ]
 }
 
+#[cfg(feature = "ggml")]
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
     let h = cx.rms_norm(x, cx.w(il, "attn_norm.weight"));
     let (q, k, v) = cx.qkv(il, h);

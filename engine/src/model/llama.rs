@@ -31,4 +31,5 @@ pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
 
 /// The block is qwen2's: the two differ only in rope mode and optional biases,
 /// both of which come from the hyper-parameters and the tensor table.
+#[cfg(feature = "ggml")]
 pub(crate) use super::qwen2::build_layer;

@@ -1,96 +1,13 @@
 //! The mixture-of-experts feed-forward block, written after llama.cpp's
-//! `llm_graph_context::build_moe_ffn` (src/llama-graph.cpp) op for op, and
-//! the expert hyper-parameters every MoE architecture reads the same way.
+//! `llm_graph_context::build_moe_ffn` (src/llama-graph.cpp) op for op
+//! (the expert hyper-parameters are read in `hparams.rs`).
 //!
 //! Softmax or sigmoid gating, DeepSeek V3's selection bias and
 //! group-limited routing, weight renormalisation and scale.
 
 use super::layers::{Activation, LayerCx};
-use super::{key, uniform_u32, Arch, ExpertGating, MoeHparams};
-use crate::error::EngineError;
+use super::{ExpertGating, MoeHparams};
 use crate::ffi::ggml::{Ctx, Graph, Tensor};
-use crate::gguf::Gguf;
-
-/// llama.cpp's `LLAMA_MAX_EXPERTS`: it refuses files with more.
-const MAX_EXPERTS: u32 = 1024;
-
-/// The expert keys every MoE architecture shares. Routing options that
-/// differ per architecture (gating, normalisation, scale) start at the
-/// plain defaults (softmax, no renormalisation, no scale) for the
-/// architecture to adjust.
-pub(crate) fn read_hparams(
-    g: &Gguf,
-    arch: Arch,
-    n_layer: u32,
-    n_ff: u32,
-) -> Result<MoeHparams, EngineError> {
-    let k = |s: &str| key(arch, s);
-    let bad = |key: String, why: String| EngineError::BadHparam { key, why };
-    let n_expert = g.opt_u32(&k("expert_count"))?.unwrap_or(0);
-    if n_expert == 0 || n_expert > MAX_EXPERTS {
-        return Err(bad(
-            k("expert_count"),
-            format!(
-                "{n_expert} experts; a {} file needs 1 to {MAX_EXPERTS}",
-                arch.name()
-            ),
-        ));
-    }
-    let n_expert_used = uniform_u32(g, &k("expert_used_count"), n_layer)?.unwrap_or(0);
-    if n_expert_used == 0 || n_expert_used > n_expert {
-        return Err(bad(
-            k("expert_used_count"),
-            format!(
-                "{n_expert_used} experts per token, but it must be 1 to the {n_expert} experts"
-            ),
-        ));
-    }
-    // As llama.cpp: without the key, the dense width shared by the used experts.
-    let n_ff_exp = match uniform_u32(g, &k("expert_feed_forward_length"), n_layer)? {
-        Some(n) => n,
-        None => n_ff / n_expert_used,
-    };
-    if n_ff_exp == 0 {
-        return Err(bad(
-            k("expert_feed_forward_length"),
-            "an expert's hidden width must be positive".into(),
-        ));
-    }
-    // llama.cpp reads the groups for every architecture and asserts these.
-    let n_expert_groups = g.opt_u32(&k("expert_group_count"))?.unwrap_or(0);
-    let n_group_used = g.opt_u32(&k("expert_group_used_count"))?.unwrap_or(0);
-    if n_expert_groups >= n_expert {
-        return Err(bad(
-            k("expert_group_count"),
-            format!("{n_expert_groups} groups for {n_expert} experts: group-limited routing needs fewer groups than experts"),
-        ));
-    }
-    if n_expert_groups > 1 {
-        // Each group is scored by its two best experts (ggml asserts the top-2 fits).
-        if n_expert % n_expert_groups != 0 || n_expert / n_expert_groups < 2 {
-            return Err(bad(
-                k("expert_group_count"),
-                format!("group-limited routing needs {n_expert} experts split into groups of at least 2, not {n_expert_groups} groups"),
-            ));
-        }
-        if n_group_used == 0 || n_group_used >= n_expert_groups {
-            return Err(bad(
-                k("expert_group_used_count"),
-                format!("{n_group_used} groups used: group-limited routing over {n_expert_groups} groups needs 1 to {}", n_expert_groups - 1),
-            ));
-        }
-    }
-    Ok(MoeHparams {
-        n_expert,
-        n_expert_used,
-        n_ff_exp,
-        gating: ExpertGating::Softmax,
-        norm_weights: false,
-        weights_scale: 1.0,
-        n_expert_groups,
-        n_group_used,
-    })
-}
 
 /// The weights of one layer's routed experts.
 pub(crate) struct MoeWeights<'g> {

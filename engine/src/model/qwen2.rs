@@ -1,8 +1,10 @@
 //! Qwen2 / Qwen2.5 (`qwen2`): llama-style blocks with Q/K/V biases and
 //! NEOX rope. Reference: llama.cpp `src/models/qwen2.cpp`.
 
+#[cfg(feature = "ggml")]
 use super::layers::{Activation, LayerCx};
 use super::{opt, req, Hparams, TensorSpec};
+#[cfg(feature = "ggml")]
 use crate::ffi::ggml::Tensor;
 
 pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
@@ -23,6 +25,7 @@ pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
     ]
 }
 
+#[cfg(feature = "ggml")]
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
     let h = cx.rms_norm(x, cx.w(il, "attn_norm.weight"));
     let (q, k, v) = cx.qkv(il, h);

@@ -2,9 +2,11 @@
 //! and K before NEOX rope, no biases in practice. Reference: llama.cpp
 //! `src/models/qwen3.cpp`. Its attention is shared with `qwen3moe`.
 
+#[cfg(feature = "ggml")]
 use super::layers::{Activation, LayerCx};
 use super::{opt, req, Hparams, TensorSpec};
 use crate::error::EngineError;
+#[cfg(feature = "ggml")]
 use crate::ffi::ggml::Tensor;
 
 /// llama.cpp asserts head size == value size == rotary dimensions for the
@@ -68,6 +70,7 @@ pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
 /// Norm, Q/K/V, per-head Q and K norms, rope, attention and the output
 /// projection, then the residual: returns `ffn_inp` (rows already reduced
 /// to the wanted outputs on the model's last layer).
+#[cfg(feature = "ggml")]
 pub(crate) fn attention_block<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
     let h = cx.rms_norm(x, cx.w(il, "attn_norm.weight"));
     let (q, k, v) = cx.qkv(il, h);
@@ -81,6 +84,7 @@ pub(crate) fn attention_block<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'
     cx.g.add(attn, x)
 }
 
+#[cfg(feature = "ggml")]
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
     let ffn_inp = attention_block(cx, il, x);
     let h = cx.rms_norm(ffn_inp, cx.w(il, "ffn_norm.weight"));

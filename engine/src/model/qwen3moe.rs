@@ -4,15 +4,19 @@
 //! graph always does; no GGUF key says so), SiLU-gated experts.
 //! Reference: llama.cpp `src/models/qwen3moe.cpp`.
 
+#[cfg(feature = "ggml")]
 use super::layers::{Activation, LayerCx};
-use super::{req, req_exps, Hparams, MoeInput, TensorSpec};
+#[cfg(feature = "ggml")]
+use super::MoeInput;
+use super::{req, req_exps, Hparams, TensorSpec};
 use crate::error::EngineError;
+#[cfg(feature = "ggml")]
 use crate::ffi::ggml::Tensor;
 use crate::gguf::Gguf;
 
 pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineError> {
     super::qwen3::check_head_dims(hp)?;
-    let mut moe = super::moe::read_hparams(g, hp.arch, hp.n_layer, hp.n_ff)?;
+    let mut moe = super::hparams::read_moe_hparams(g, hp.arch, hp.n_layer, hp.n_ff)?;
     moe.norm_weights = true;
     hp.moe = Some(moe);
     Ok(())
@@ -34,6 +38,7 @@ pub(crate) fn layer_tensors(hp: &Hparams) -> Vec<TensorSpec> {
     v
 }
 
+#[cfg(feature = "ggml")]
 pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> Tensor<'g> {
     let inp = moe_input(cx, il, x);
     let moe = cx.hp.moe.as_ref().expect("validated at open");
@@ -43,6 +48,7 @@ pub(crate) fn build_layer<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) 
 }
 
 /// The block up to its routed experts: attention, residual, FFN norm.
+#[cfg(feature = "ggml")]
 pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) -> MoeInput<'g> {
     let ffn_inp = super::qwen3::attention_block(cx, il, x);
     let cur = cx.rms_norm(ffn_inp, cx.w(il, "ffn_norm.weight"));

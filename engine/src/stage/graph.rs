@@ -1,0 +1,338 @@
+//! One step's graph: reserved once for the worst step, cut into segments
+//! at the layers whose experts run elsewhere.
+
+use super::device_experts::DeviceExperts;
+use super::weights::Weights;
+use super::Stage;
+use crate::error::EngineError;
+use crate::ffi::ggml;
+use crate::ffi::ggml::Ctx;
+use crate::ffi::ggml::Tensor;
+use crate::ffi::ggml::TYPE_F16;
+use crate::ffi::ggml::TYPE_F32;
+use crate::ffi::ggml::TYPE_I32;
+use crate::ffi::ggml::TYPE_I64;
+use crate::kv::KvCache;
+use crate::model::layers::finish_moe;
+use crate::model::layers::Activation;
+use crate::model::layers::LayerCx;
+use crate::model::moe::moe_experts;
+use crate::model::moe::Routing;
+use crate::model::ModelFile;
+use crate::range::LayerRange;
+use std::collections::BTreeMap;
+
+impl Stage {
+    /// Sizes the compute buffer once, for a full micro-batch over a full
+    /// cache (with offloaded experts: for the largest of the graphs a step runs).
+    pub(super) fn reserve(&mut self) -> Result<(), EngineError> {
+        let n = self.cfg.n_ubatch.min(self.kv.config().n_cells());
+        let parts = GraphParts {
+            model: &self.model,
+            range: &self.range,
+            weights: &self.weights,
+            kv: &self.kv,
+            device: &self.device,
+        };
+        let oom = |e: String| EngineError::OutOfMemory {
+            what: format!("compute buffer: {e}"),
+            bytes: 0,
+        };
+        let n_cells = self.kv.config().n_cells();
+        let n_used = self
+            .model
+            .hparams
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.n_expert_used as usize);
+        if self.offloaded.is_empty() {
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let (graph, _) = parts.build(&ctx, n, n_cells, n);
+            return self.exec.reserve(&graph).map_err(oom);
+        }
+        for seg in self.segments(n) {
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let (graph, _) = parts.build_segment(&ctx, n, n_cells, n, &seg);
+            self.exec.reserve(&graph).map_err(oom)?;
+            if let Some(r) = seg.resume.filter(|r| r.side) {
+                let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+                let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
+                self.exec.reserve(&graph).map_err(oom)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The segments of a step: cut at each offloaded block, each resuming
+    /// the block the previous one cut (with `n_cut` tokens).
+    pub(super) fn segments(&self, n_cut: usize) -> Vec<Segment> {
+        let hp = &self.model.hparams;
+        let mut out = Vec::with_capacity(self.offloaded.len() + 1);
+        let (mut resume, mut from) = (None, self.range.layers.start);
+        for &il in &self.offloaded {
+            out.push(Segment {
+                resume,
+                layers: (from, il),
+                cut: Some(il),
+            });
+            resume = Some(Resume {
+                layer: il,
+                n_tokens: n_cut,
+                side: hp.arch.has_shared_experts(hp, il) || self.device.contains_key(&il),
+            });
+            from = il + 1;
+        }
+        out.push(Segment {
+            resume,
+            layers: (from, self.range.layers.end),
+            cut: None,
+        });
+        out
+    }
+}
+
+/// The parts of a stage a graph reads (borrowed apart from the mutable runtime).
+pub(super) struct GraphParts<'a> {
+    pub(super) model: &'a ModelFile,
+    pub(super) range: &'a LayerRange,
+    pub(super) weights: &'a Weights,
+    pub(super) kv: &'a KvCache,
+    pub(super) device: &'a BTreeMap<u32, DeviceExperts>,
+}
+
+/// A piece of one step's graph between offloaded expert blocks. The whole
+/// range is one segment: no resume, all its layers, no cut.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Segment {
+    /// Starts by finishing an offloaded block from host inputs instead of
+    /// taking the range's input.
+    pub(super) resume: Option<Resume>,
+    /// Layers run whole.
+    pub(super) layers: (u32, u32),
+    /// Ends at this layer's routed experts (their input and routing)
+    /// instead of the range's output.
+    pub(super) cut: Option<u32>,
+}
+
+/// An offloaded block to finish: its layer, tokens, and whether the stage
+/// computed a side result for it (its shared experts and/or the routed
+/// experts kept on the stage), given as the input `inp_shared`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Resume {
+    pub(super) layer: u32,
+    pub(super) n_tokens: usize,
+    pub(super) side: bool,
+}
+
+/// What a segment's graph ends with.
+pub(super) enum SegmentOut<'g> {
+    /// The range's output: the hidden state or the logits.
+    Range(Tensor<'g>),
+    /// An offloaded block's expert inputs: the normed input, the selected
+    /// ids and their weights (both made contiguous), and the residual.
+    Cut {
+        cur: Tensor<'g>,
+        ids: Tensor<'g>,
+        weights: Tensor<'g>,
+        ffn_inp: Tensor<'g>,
+    },
+}
+
+impl GraphParts<'_> {
+    /// Builds the graph of one step. Returns the graph and its output tensor.
+    pub(super) fn build<'g>(
+        &'g self,
+        ctx: &'g Ctx,
+        n_tokens: usize,
+        n_kv: usize,
+        n_out: usize,
+    ) -> (ggml::Graph<'g>, Tensor<'g>) {
+        let whole = Segment {
+            resume: None,
+            layers: (self.range.layers.start, self.range.layers.end),
+            cut: None,
+        };
+        match self.build_segment(ctx, n_tokens, n_kv, n_out, &whole) {
+            (graph, SegmentOut::Range(out)) => (graph, out),
+            (_, SegmentOut::Cut { .. }) => unreachable!("a segment without a cut ends the range"),
+        }
+    }
+
+    /// Builds the graph of one segment of a step.
+    pub(super) fn build_segment<'g>(
+        &'g self,
+        ctx: &'g Ctx,
+        n_tokens: usize,
+        n_kv: usize,
+        n_out: usize,
+        seg: &Segment,
+    ) -> (ggml::Graph<'g>, SegmentOut<'g>) {
+        let hp = &self.model.hparams;
+        let (nt, e) = (n_tokens as i64, hp.n_embd as i64);
+        let mut graph = ctx.new_graph();
+        let mut x = if let Some(r) = seg.resume {
+            let rt = r.n_tokens as i64;
+            let routed = ctx.input(TYPE_F32, &[e, rt], "inp_routed");
+            let shared = r.side.then(|| ctx.input(TYPE_F32, &[e, rt], "inp_shared"));
+            let ffn_inp = ctx.input(TYPE_F32, &[e, rt], "inp_ffn_inp");
+            finish_moe(ctx, routed, shared, ffn_inp)
+        } else if self.range.embed {
+            let tokens = ctx.input(TYPE_I32, &[nt], "inp_tokens");
+            let emb = self.weights.get("token_embd.weight").expect("loaded");
+            let x = ctx.get_rows(emb, tokens);
+            match hp.embed_scale {
+                Some(s) => ctx.scale(x, s),
+                None => x,
+            }
+        } else {
+            ctx.input(TYPE_F32, &[e, nt], "inp_hidden")
+        };
+        let want_out_ids = self.range.head && n_out < n_tokens;
+        let out_ids = want_out_ids.then(|| ctx.input(TYPE_I32, &[n_out as i64], "inp_out_ids"));
+        let mut cut = None;
+        if seg.layers.0 < seg.layers.1 || seg.cut.is_some() {
+            let pos = ctx.input(TYPE_I32, &[nt], "inp_pos");
+            let kv_idx = ctx.input(TYPE_I64, &[nt], "inp_kv_idx");
+            let mask = ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask");
+            let mask_swa = hp
+                .swa
+                .is_some()
+                .then(|| ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask_swa"));
+            let mut cx = LayerCx {
+                g: ctx,
+                graph: &mut graph,
+                hp,
+                weights: self.weights,
+                kv: self.kv,
+                pos,
+                kv_idx,
+                mask,
+                mask_swa,
+                n_kv: n_kv as i64,
+                n_tokens: nt,
+                out_ids: None,
+            };
+            for il in seg.layers.0..seg.layers.1 {
+                if il + 1 == hp.n_layer {
+                    cx.out_ids = out_ids;
+                }
+                x = hp.arch.build_layer(&mut cx, il, x);
+            }
+            if let Some(il) = seg.cut {
+                if il + 1 == hp.n_layer {
+                    cx.out_ids = out_ids;
+                }
+                let inp = hp.arch.build_moe_input(&mut cx, il, x);
+                let moe = hp.moe.as_ref().expect("a layer with experts");
+                let r = cx.moe_route(
+                    inp.cur,
+                    cx.w(il, "ffn_gate_inp.weight"),
+                    cx.w_opt(il, "exp_probs_b.bias"),
+                    moe,
+                );
+                // Copies, so that the host reads plain contiguous outputs.
+                let ids = ctx.cont(r.selected);
+                let weights = ctx.cont(r.weights);
+                for t in [inp.cur, ids, weights, inp.ffn_inp] {
+                    t.set_output();
+                    cx.graph.expand(t);
+                }
+                cut = Some(SegmentOut::Cut {
+                    cur: inp.cur,
+                    ids,
+                    weights,
+                    ffn_inp: inp.ffn_inp,
+                });
+            }
+        }
+        if let Some(c) = cut {
+            return (graph, c);
+        }
+        if self.range.head {
+            let last_layer_here =
+                !self.range.layers.is_empty() && self.range.layers.end == hp.n_layer;
+            if let (Some(ids), false) = (out_ids, last_layer_here) {
+                x = ctx.get_rows(x, ids);
+            }
+            let norm = ctx.rms_norm(x, hp.rms_eps);
+            x = ctx.mul(
+                norm,
+                self.weights.get("output_norm.weight").expect("loaded"),
+            );
+            // A tied head reads the embedding (on a GPU, its copy there).
+            let out_w = self
+                .weights
+                .get("output.weight")
+                .or_else(|| self.weights.get("token_embd.weight"))
+                .expect("loaded");
+            x = ctx.mul_mat(out_w, x);
+            if let Some(cap) = hp.final_logit_softcap {
+                x = ctx.scale(ctx.tanh(ctx.scale(x, 1.0 / cap)), cap);
+            }
+        }
+        x.set_output();
+        graph.expand(x);
+        (graph, SegmentOut::Range(x))
+    }
+
+    /// What the stage computes of offloaded block `il` while the executor
+    /// works, on the input `inp_moe_cur` (`[n_embd, n_tokens]`), as a graph
+    /// of its own: the shared experts, plus (`dev_width` > 0) the routed
+    /// experts kept on the stage (`set_device_experts`) with local ids
+    /// `inp_dev_ids` and weights `inp_dev_weights` (`[dev_width, n_tokens]`).
+    pub(super) fn build_side<'g>(
+        &'g self,
+        ctx: &'g Ctx,
+        il: u32,
+        n_tokens: usize,
+        dev_width: usize,
+    ) -> (ggml::Graph<'g>, Tensor<'g>) {
+        let hp = &self.model.hparams;
+        let nt = n_tokens as i64;
+        let mut graph = ctx.new_graph();
+        let cur = ctx.input(TYPE_F32, &[hp.n_embd as i64, nt], "inp_moe_cur");
+        let shared = hp.arch.has_shared_experts(hp, il).then(|| {
+            // The layer context's other inputs are never read (so never allocated).
+            let cx = LayerCx {
+                g: ctx,
+                graph: &mut graph,
+                hp,
+                weights: self.weights,
+                kv: self.kv,
+                pos: ctx.input(TYPE_I32, &[nt], "inp_pos"),
+                kv_idx: ctx.input(TYPE_I64, &[nt], "inp_kv_idx"),
+                mask: ctx.input(TYPE_F16, &[1, nt], "inp_mask"),
+                mask_swa: None,
+                n_kv: 1,
+                n_tokens: nt,
+                out_ids: None,
+            };
+            hp.arch
+                .build_shared_experts(&cx, il, cur)
+                .expect("has shared experts")
+        });
+        let device = self.device.get(&il).filter(|_| dev_width > 0);
+        let routed = device.map(|d| {
+            let k = dev_width as i64;
+            let selected = ctx.input(TYPE_I32, &[k, nt], "inp_dev_ids");
+            let weights = ctx.input(TYPE_F32, &[1, k, nt], "inp_dev_weights");
+            // Every supported MoE architecture gates its experts with SiLU.
+            moe_experts(
+                ctx,
+                &mut graph,
+                cur,
+                &Routing { selected, weights },
+                d.weights(),
+                Activation::Silu,
+            )
+        });
+        let out = match (shared, routed) {
+            (Some(s), Some(r)) => ctx.add(s, r),
+            (Some(t), None) | (None, Some(t)) => t,
+            (None, None) => unreachable!("built only for blocks with shared or device experts"),
+        };
+        out.set_output();
+        graph.expand(out);
+        (graph, out)
+    }
+}

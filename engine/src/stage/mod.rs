@@ -1,0 +1,343 @@
+//! A stage runs one layer range of a model: optionally the embedding, the
+//! layers `a..b` with their KV cache, optionally the head (final norm and
+//! output projection). A whole model is the range `0..n` with both ends.
+//! Stages hand each other a [`Hidden`] state, which serializes to bytes so a
+//! split across processes computes exactly what one process computes.
+
+mod device_experts;
+mod graph;
+mod handover;
+mod run;
+mod weights;
+mod wire;
+
+pub use crate::range::LayerRange;
+pub use weights::Weights;
+pub use wire::{Batch, Hidden, HiddenDtype, Logits};
+
+use self::device_experts::DeviceExperts;
+use crate::device::Device;
+use crate::error::EngineError;
+use crate::ffi::device as ggml_device;
+use crate::ffi::ggml::Executor;
+use crate::kv::KvCache;
+use crate::kv::KvConfig;
+use crate::kv::KvLayers;
+use crate::model::ModelFile;
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageOutput {
+    Hidden(Hidden),
+    Logits(Logits),
+}
+
+/// Runtime settings of a stage.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StageConfig {
+    pub kv: KvConfig,
+    /// Most tokens in one step (llama.cpp's `n_ubatch`).
+    pub n_ubatch: usize,
+    pub n_threads: usize,
+    /// Where the stage computes: the CPU, or a GPU (weights, KV cache and
+    /// compute buffer in its memory).
+    #[serde(default)]
+    pub device: Device,
+    /// Re-lay quantized matmul weights for the CPU's fastest kernels
+    /// (llama.cpp's default "extra buffer types"). Costs a copy of those weights.
+    pub repack: bool,
+}
+
+impl Default for StageConfig {
+    fn default() -> Self {
+        StageConfig {
+            kv: KvConfig {
+                n_ctx: 4096,
+                n_seq: 1,
+            },
+            n_ubatch: 512,
+            n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            device: Device::Cpu,
+            repack: true,
+        }
+    }
+}
+
+/// A loaded layer range, ready to run steps.
+pub struct Stage {
+    model: Arc<ModelFile>,
+    range: LayerRange,
+    cfg: StageConfig,
+    weights: Weights,
+    /// Layers whose routed experts are computed elsewhere, ascending.
+    offloaded: Vec<u32>,
+    /// How often each expert of each offloaded layer was selected since load.
+    expert_counts: BTreeMap<u32, Vec<u64>>,
+    /// Routed experts of offloaded layers kept here after all.
+    device: BTreeMap<u32, DeviceExperts>,
+    kv: KvCache,
+    exec: Executor,
+    // Reused scratch for the masks.
+    mask: Vec<u16>,
+    mask_swa: Vec<u16>,
+    /// The KV cells the last step's tokens went into.
+    last_cells: Vec<i64>,
+}
+
+impl Stage {
+    /// Loads `range` of `model`: maps its weights, repacks what benefits,
+    /// allocates the KV cache and sizes the compute buffer for `n_ubatch`.
+    pub fn load(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+    ) -> Result<Stage, EngineError> {
+        Self::load_with_progress(model, range, cfg, &mut |_, _| {})
+    }
+
+    pub fn load_with_progress(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Stage, EngineError> {
+        Self::load_offloaded_with_progress(model, range, cfg, &[], progress)
+    }
+
+    /// As [`Stage::load`], leaving out the routed experts
+    /// (`ffn_{gate,up,down}_exps`) of the `offloaded` layers: steps then run
+    /// through [`Stage::forward_with`], which hands those blocks to an
+    /// [`ExpertExec`]. Everything else of those layers (attention, router,
+    /// selection bias, shared experts) stays here.
+    pub fn load_offloaded(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+        offloaded: &[u32],
+    ) -> Result<Stage, EngineError> {
+        Self::load_offloaded_with_progress(model, range, cfg, offloaded, &mut |_, _| {})
+    }
+
+    pub fn load_offloaded_with_progress(
+        model: Arc<ModelFile>,
+        range: LayerRange,
+        cfg: StageConfig,
+        offloaded: &[u32],
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Stage, EngineError> {
+        let hp = &model.hparams;
+        range.validate(hp.n_layer)?;
+        let mut offloaded = offloaded.to_vec();
+        offloaded.sort_unstable();
+        offloaded.dedup();
+        for &il in &offloaded {
+            if !range.layers.contains(&il) {
+                return Err(EngineError::Config(format!(
+                    "layer {il}'s experts cannot be offloaded from a stage of {range}"
+                )));
+            }
+            crate::experts::expert_layer_tensors(&model, il)?;
+        }
+        if cfg.n_ubatch == 0 {
+            return Err(EngineError::Config("n_ubatch must be at least 1".into()));
+        }
+        if cfg.kv.n_ctx > hp.n_ctx_train as usize {
+            return Err(EngineError::Config(format!(
+                "context {} exceeds the model's trained context of {} tokens",
+                cfg.kv.n_ctx, hp.n_ctx_train
+            )));
+        }
+        let gpu = match cfg.device {
+            Device::Cpu => None,
+            Device::Cuda(i) => Some(ggml_device::cuda_device(i).map_err(EngineError::Gpu)?),
+        };
+        let exec = Executor::new(gpu, cfg.n_threads).map_err(if cfg.device.is_gpu() {
+            EngineError::Gpu
+        } else {
+            EngineError::CpuBackend
+        })?;
+        let device = exec.on_gpu().then(|| exec.buffer_type());
+        let weights = Weights::load(&model, &range, &offloaded, cfg.repack, device, progress)?;
+        let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, exec.buffer_type())?;
+        let n_expert = hp.moe.as_ref().map_or(0, |m| m.n_expert as usize);
+        let expert_counts = offloaded
+            .iter()
+            .map(|&il| (il, vec![0; n_expert]))
+            .collect();
+        let mut stage = Stage {
+            model,
+            range,
+            cfg,
+            weights,
+            offloaded,
+            expert_counts,
+            device: BTreeMap::new(),
+            kv,
+            exec,
+            mask: Vec::new(),
+            mask_swa: Vec::new(),
+            last_cells: Vec::new(),
+        };
+        stage.reserve()?;
+        Ok(stage)
+    }
+
+    pub fn range(&self) -> &LayerRange {
+        &self.range
+    }
+
+    pub fn model(&self) -> &Arc<ModelFile> {
+        &self.model
+    }
+
+    pub fn config(&self) -> &StageConfig {
+        &self.cfg
+    }
+
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Bytes of the compute buffers (sized for the worst-case step).
+    pub fn compute_bytes(&self) -> usize {
+        let (device, host) = self.exec.buffer_sizes();
+        device + host
+    }
+
+    /// The compute buffers apart: (the stage's device's, the host's beside
+    /// a GPU; 0 on the CPU).
+    pub fn compute_bytes_split(&self) -> (usize, usize) {
+        self.exec.buffer_sizes()
+    }
+
+    /// The device this stage computes on.
+    pub fn device(&self) -> Device {
+        self.cfg.device
+    }
+
+    /// Layers whose routed experts this stage leaves to an [`ExpertExec`].
+    pub fn offloaded_layers(&self) -> &[u32] {
+        &self.offloaded
+    }
+
+    /// Per offloaded layer, how many times each expert was selected
+    /// (`counts[expert]`, one per token and selected expert) by the steps
+    /// since load. Only the tokens a block computes count: on the model's
+    /// last layer, those whose logits were asked for.
+    pub fn expert_counts(&self) -> &BTreeMap<u32, Vec<u64>> {
+        &self.expert_counts
+    }
+
+    /// The `k` most selected experts of offloaded layer `layer` (ties go
+    /// to the lower id), ascending; empty for a layer that is not offloaded.
+    pub fn hot_experts(&self, layer: u32, k: usize) -> Vec<u32> {
+        let Some(counts) = self.expert_counts.get(&layer) else {
+            return Vec::new();
+        };
+        let mut order: Vec<u32> = (0..counts.len() as u32).collect();
+        order.sort_by_key(|&e| (Reverse(counts[e as usize]), e));
+        order.truncate(k);
+        order.sort_unstable();
+        order
+    }
+
+    /// Keeps the routed experts `experts` of offloaded layer `layer` on
+    /// this stage (`--gpu-experts`): their slices of `ffn_{up,gate,down}_exps`
+    /// are copied out of the file into tensors holding only them (repacked
+    /// as the whole tensors would be, with `repack`). Steps then
+    /// compute those experts here, beside the shared experts, and send the
+    /// executor only the tokens that selected an expert elsewhere. An empty
+    /// list gives them back; a new list replaces the old one.
+    pub fn set_device_experts(&mut self, layer: u32, experts: &[u32]) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Experts(why));
+        if !self.offloaded.contains(&layer) {
+            return bad(format!(
+                "layer {layer}'s routed experts are not offloaded from this stage (offloaded layers: {:?}), so none can be kept on it",
+                self.offloaded
+            ));
+        }
+        let n_expert = self.model.hparams.moe.as_ref().map_or(0, |m| m.n_expert);
+        let mut ids = experts.to_vec();
+        ids.sort_unstable();
+        if let Some(&id) = ids.iter().find(|&&e| e >= n_expert) {
+            return bad(format!(
+                "expert id {id} is outside layer {layer}'s {n_expert} experts"
+            ));
+        }
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("expert {} is listed twice for layer {layer}", w[0]));
+        }
+        // The old subset goes first, so that its memory is free for the new one.
+        self.device.remove(&layer);
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let d = DeviceExperts::load(
+            &self.model,
+            layer,
+            ids,
+            self.exec.buffer_type(),
+            self.cfg.repack && !self.exec.on_gpu(),
+        )?;
+        self.device.insert(layer, d);
+        // This block's side graph grew.
+        self.reserve()
+    }
+
+    /// The experts of `layer` kept on this stage, ascending.
+    pub fn device_experts(&self, layer: u32) -> &[u32] {
+        self.device.get(&layer).map_or(&[], |d| &d.ids)
+    }
+
+    /// Bytes of the routed-expert subsets kept on this stage.
+    pub fn device_expert_bytes(&self) -> u64 {
+        self.device.values().map(|d| d.bytes).sum()
+    }
+
+    /// The KV cache of `layers` (inside this stage's range) for every
+    /// sequence, to hand to the stage that takes those layers over; see
+    /// [`KvCache::export`]. The stage is unchanged.
+    pub fn export_kv(&self, layers: Range<u32>) -> Result<KvLayers, EngineError> {
+        self.kv.export(layers)
+    }
+
+    /// Puts exported layers into this stage's KV cache ([`KvCache::import`]).
+    pub fn import_kv(&mut self, kv: &KvLayers) -> Result<(), EngineError> {
+        self.kv.import(kv)
+    }
+
+    /// Bytes this stage holds: weights (mapped and repacked), KV cache,
+    /// compute buffer and kept experts.
+    pub fn held_bytes(&self) -> u64 {
+        self.weights.mapped_bytes
+            + self.weights.repacked_bytes
+            + self.kv.allocated_bytes()
+            + self.compute_bytes() as u64
+            + self.device_expert_bytes()
+    }
+
+    /// Frees the KV cells of `seq` (all of them, or from position `from` on).
+    pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
+        self.kv.remove_seq(seq, from);
+    }
+
+    /// Frees every KV cell (a recovery starts the cache over).
+    pub fn clear_kv(&mut self) {
+        for seq in 0..self.kv.config().n_seq as u32 {
+            self.kv.remove_seq(seq, None);
+        }
+    }
+
+    /// The KV cell of each token of the last step that ran (empty if the
+    /// stage has no layers).
+    pub fn last_cells(&self) -> &[i64] {
+        &self.last_cells
+    }
+}

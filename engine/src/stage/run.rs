@@ -1,0 +1,353 @@
+//! Running a step: [`Stage::forward`] builds the step's graph segments,
+//! computes them, and between segments hands offloaded experts their work.
+
+use super::device_experts::split_work;
+use super::graph::GraphParts;
+use super::graph::SegmentOut;
+use super::handover::Carry;
+use super::wire::Batch;
+use super::wire::Hidden;
+use super::wire::Logits;
+use super::Stage;
+use super::StageOutput;
+use crate::error::EngineError;
+use crate::experts::ExpertBatch;
+use crate::experts::ExpertExec;
+use crate::ffi::ggml;
+use crate::ffi::ggml::Ctx;
+use crate::ffi::ggml::Tensor;
+
+impl Stage {
+    /// Runs one step. `input` is the previous stage's hidden state (absent
+    /// on the stage that runs the embedding). Returns the hidden state for
+    /// the next stage, or the logits of the tokens that asked for them.
+    ///
+    /// A stage with offloaded experts needs [`Stage::forward_with`].
+    pub fn forward(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+    ) -> Result<StageOutput, EngineError> {
+        if !self.offloaded.is_empty() {
+            return Err(EngineError::Config(format!(
+                "the routed experts of layers {:?} are not in this stage: run it with an expert executor (forward_with)",
+                self.offloaded
+            )));
+        }
+        self.forward_inner(batch, input, None)
+    }
+
+    /// As [`Stage::forward`], with the routed experts of the offloaded
+    /// layers computed by `experts`. The step runs as one graph per
+    /// segment between offloaded blocks; at each block it submits the
+    /// block's input, ids and weights, computes the shared experts, waits
+    /// for the routed result and goes on. Without offloaded layers this is
+    /// `forward` and `experts` is never called.
+    ///
+    /// A block with experts kept here (`set_device_experts`) computes them
+    /// beside the shared experts and submits only the tokens that selected
+    /// an expert elsewhere, with only those selections (see
+    /// [`ExpertBatch`]); when no token did, the executor is not called for
+    /// that block. Weight-0 stand-ins add exactly 0, so this changes only
+    /// the order of the sum.
+    pub fn forward_with(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+        experts: &mut dyn ExpertExec,
+    ) -> Result<StageOutput, EngineError> {
+        self.forward_inner(batch, input, Some(experts))
+    }
+
+    pub(super) fn forward_inner(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+        experts: Option<&mut dyn ExpertExec>,
+    ) -> Result<StageOutput, EngineError> {
+        let hp = &self.model.hparams;
+        batch.validate(self.range.embed)?;
+        let n = batch.len();
+        if n > self.cfg.n_ubatch {
+            return Err(EngineError::Config(format!(
+                "batch of {n} tokens exceeds n_ubatch {}",
+                self.cfg.n_ubatch
+            )));
+        }
+        if self.range.embed {
+            if let Some(&bad) = batch.tokens.iter().find(|&&t| t >= hp.n_vocab) {
+                return Err(EngineError::Config(format!(
+                    "token id {bad} is outside the vocabulary of {} tokens",
+                    hp.n_vocab
+                )));
+            }
+        } else {
+            let h = input.ok_or_else(|| {
+                EngineError::Config("this stage needs the previous stage's hidden state".into())
+            })?;
+            if h.n_tokens != n || h.n_embd != hp.n_embd as usize || h.data.len() != n * h.n_embd {
+                return Err(EngineError::BadHidden(format!(
+                    "hidden state is {} x {} but the step has {n} tokens of width {}",
+                    h.n_tokens, h.n_embd, hp.n_embd
+                )));
+            }
+        }
+        let has_layers = !self.range.layers.is_empty();
+        let kv_idx = match (has_layers, batch.cells.is_empty()) {
+            (false, _) => Vec::new(),
+            (true, true) => self.kv.allocate(&batch.seq, &batch.pos)?,
+            (true, false) => {
+                self.kv.place(&batch.seq, &batch.pos, &batch.cells)?;
+                batch.cells.clone()
+            }
+        };
+        self.last_cells.clone_from(&kv_idx);
+        let result = self.run(batch, input, &kv_idx, experts);
+        if result.is_err() && has_layers {
+            self.kv.release(&kv_idx);
+        }
+        result
+    }
+
+    pub(super) fn run(
+        &mut self,
+        batch: &Batch,
+        input: Option<&Hidden>,
+        kv_idx: &[i64],
+        mut experts: Option<&mut dyn ExpertExec>,
+    ) -> Result<StageOutput, EngineError> {
+        let hp = &self.model.hparams;
+        let n = batch.len();
+        let out_rows: Vec<usize> = if self.range.head {
+            (0..n).filter(|&i| batch.logits[i]).collect()
+        } else {
+            (0..n).collect()
+        };
+        let n_kv = self.kv.n_kv();
+        let has_layers = !self.range.layers.is_empty();
+        if has_layers {
+            self.kv
+                .mask(&batch.seq, &batch.pos, n_kv, None, &mut self.mask);
+            if let Some(swa) = &hp.swa {
+                self.kv.mask(
+                    &batch.seq,
+                    &batch.pos,
+                    n_kv,
+                    Some(swa.window),
+                    &mut self.mask_swa,
+                );
+            }
+        }
+        // Without offloaded layers: one segment, the whole range's graph.
+        let segments = self.segments(n);
+        // The finished-elsewhere block the next segment resumes.
+        let mut carry: Option<Carry> = None;
+        for mut seg in segments {
+            if let (Some(r), Some(c)) = (seg.resume.as_mut(), carry.as_ref()) {
+                r.n_tokens = c.n_tokens;
+                r.side = c.shared.is_some();
+            }
+            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
+            let parts = GraphParts {
+                model: &self.model,
+                range: &self.range,
+                weights: &self.weights,
+                kv: &self.kv,
+                device: &self.device,
+            };
+            let (graph, out) = parts.build_segment(&ctx, n, n_kv, out_rows.len(), &seg);
+            self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
+            let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
+                // Inputs no node reads (a range with no global layer has no use for
+                // the global mask) get no memory from the allocator.
+                if let Some(t) = ctx.get_tensor(name).filter(|t| t.is_allocated()) {
+                    f(t)
+                }
+            };
+            set("inp_tokens", &|t| {
+                t.write(&batch.tokens.iter().map(|&x| x as i32).collect::<Vec<_>>())
+            });
+            set("inp_hidden", &|t| {
+                t.write(&input.expect("checked in forward").data)
+            });
+            set("inp_pos", &|t| t.write(&batch.pos));
+            set("inp_kv_idx", &|t| t.write(kv_idx));
+            set("inp_mask", &|t| t.write(&self.mask));
+            set("inp_mask_swa", &|t| t.write(&self.mask_swa));
+            set("inp_out_ids", &|t| {
+                t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
+            });
+            if let Some(c) = carry.take() {
+                set("inp_routed", &|t| t.write(&c.routed));
+                set("inp_ffn_inp", &|t| t.write(&c.ffn_inp));
+                if let Some(sh) = &c.shared {
+                    set("inp_shared", &|t| t.write(sh));
+                }
+            }
+            self.exec.compute(&graph).map_err(EngineError::Ggml)?;
+            let (cur, ids, weights, ffn_inp) = match out {
+                SegmentOut::Range(out) => {
+                    let mut data = Vec::new();
+                    out.read_f32(&mut data);
+                    return Ok(if self.range.head {
+                        StageOutput::Logits(Logits {
+                            n_vocab: hp.n_vocab as usize,
+                            rows: out_rows,
+                            data,
+                        })
+                    } else {
+                        StageOutput::Hidden(Hidden {
+                            n_tokens: n,
+                            n_embd: hp.n_embd as usize,
+                            data,
+                        })
+                    });
+                }
+                SegmentOut::Cut {
+                    cur,
+                    ids,
+                    weights,
+                    ffn_inp,
+                } => (cur, ids, weights, ffn_inp),
+            };
+            let layer = seg.cut.expect("a cut segment names its layer");
+            let n_cut = cur.ne()[1] as usize;
+            let mut c = Carry {
+                n_tokens: n_cut,
+                routed: Vec::new(),
+                shared: None,
+                ffn_inp: Vec::new(),
+            };
+            let mut x = Vec::new();
+            cur.read_f32(&mut x);
+            ffn_inp.read_f32(&mut c.ffn_inp);
+            let (mut id_vals, mut w_vals) = (Vec::new(), Vec::new());
+            ids.read_i32(&mut id_vals);
+            weights.read_f32(&mut w_vals);
+            // This segment's graph and context are done with.
+            drop(ctx);
+            if let Some(counts) = self.expert_counts.get_mut(&layer) {
+                for &id in &id_vals {
+                    if let Some(n) = usize::try_from(id).ok().and_then(|i| counts.get_mut(i)) {
+                        *n += 1;
+                    }
+                }
+            }
+            let e = hp.n_embd as usize;
+            let n_used = id_vals.len() / n_cut.max(1);
+            let split = self
+                .device
+                .get(&layer)
+                .map(|d| split_work(&d.ids, n_used, &id_vals, &w_vals));
+            let dev_width = split.as_ref().map_or(0, |s| s.dev_width);
+            let has_side = hp.arch.has_shared_experts(hp, layer) || dev_width > 0;
+            // The side graph takes its input before the routed experts'
+            // input moves to the executor.
+            let side_ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let parts = GraphParts {
+                model: &self.model,
+                range: &self.range,
+                weights: &self.weights,
+                kv: &self.kv,
+                device: &self.device,
+            };
+            let side_graph = if has_side {
+                let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
+                self.exec.alloc(&g).map_err(EngineError::Ggml)?;
+                let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
+                input("inp_moe_cur").write(&x);
+                if let Some(s) = split.as_ref().filter(|_| dev_width > 0) {
+                    input("inp_dev_ids").write(&s.dev_ids);
+                    input("inp_dev_weights").write(&s.dev_weights);
+                }
+                Some((g, out))
+            } else {
+                None
+            };
+            // The executor's share: every token, or with device experts
+            // only the tokens that selected an expert elsewhere (`rows`).
+            let (rows, batch) = match split {
+                None => (
+                    None,
+                    Some(ExpertBatch {
+                        layer,
+                        n_tokens: n_cut,
+                        x,
+                        ids: id_vals,
+                        weights: w_vals,
+                    }),
+                ),
+                Some(s) if s.rows.is_empty() => (None, None),
+                Some(s) => {
+                    let x = if s.rows.len() == n_cut {
+                        x
+                    } else {
+                        s.rows
+                            .iter()
+                            .flat_map(|&t| &x[t * e..(t + 1) * e])
+                            .copied()
+                            .collect()
+                    };
+                    let batch = ExpertBatch {
+                        layer,
+                        n_tokens: s.rows.len(),
+                        x,
+                        ids: s.ids,
+                        weights: s.weights,
+                    };
+                    (Some(s.rows), Some(batch))
+                }
+            };
+            let mut remote = None;
+            if let Some(batch) = batch {
+                let exec = experts.as_deref_mut().ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "layer {layer}'s routed experts are elsewhere but no expert executor was given"
+                    ))
+                })?;
+                let n_sent = batch.n_tokens;
+                exec.submit(batch)?;
+                remote = Some((exec, n_sent));
+            }
+            // Overlaps with the executor's work; wait even if it fails, so
+            // that the executor is left with nothing pending.
+            let side = side_graph.map(|(g, out)| {
+                self.exec.compute(&g).map(|()| {
+                    let mut v = Vec::new();
+                    out.read_f32(&mut v);
+                    v
+                })
+            });
+            let routed = remote.map(|(exec, n_sent)| (exec.wait(), n_sent));
+            c.shared = side.transpose().map_err(EngineError::Ggml)?;
+            c.routed = match routed {
+                // Nothing elsewhere: the side graph computed every selected expert.
+                None => vec![0.0; n_cut * e],
+                Some((got, n_sent)) => {
+                    let got = got?;
+                    if got.len() != n_sent * e {
+                        return Err(EngineError::Experts(format!(
+                            "layer {layer}: the executor returned {} values for {n_sent} tokens of width {e} ({})",
+                            got.len(),
+                            n_sent * e
+                        )));
+                    }
+                    match rows {
+                        None => got,
+                        Some(rows) => {
+                            // Tokens not sent had nothing elsewhere: 0.
+                            let mut all = vec![0.0; n_cut * e];
+                            for (i, &t) in rows.iter().enumerate() {
+                                all[t * e..(t + 1) * e].copy_from_slice(&got[i * e..(i + 1) * e]);
+                            }
+                            all
+                        }
+                    }
+                }
+            };
+            carry = Some(c);
+        }
+        unreachable!("the last segment ends the range")
+    }
+}
