@@ -4,10 +4,8 @@
 //! time with the coordinator's `--admin-token`; a coordinator without a
 //! token refuses them all, so the admin API is never open by accident.
 
-use crate::migrate::Live;
-use crate::plan::{self, ExpertPolicy, Plan, PlanConfig, Split, WorkerSpec};
-use crate::Registered;
-use omni_engine::ModelFile;
+use crate::migrate::{ClusterView, Live};
+use crate::plan::{self, ExpertPolicy, Plan, Split};
 use omni_proto::admin::v1::{
     admin_server, DrainRequest, GetPlanRequest, ListWorkersReply, ListWorkersRequest, MoveReply,
     PlanDryRunRequest, PlanReply, RebalanceRequest, UndrainRequest, WorkerInfo,
@@ -19,33 +17,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::{Request, Response, Status};
-
-/// What one worker was given by the plan.
-#[derive(Clone, Debug)]
-pub struct Placement {
-    pub worker: Registered,
-    /// Pipeline position (stages only).
-    pub stage: u32,
-    pub layers: String,
-    pub offloaded: String,
-    /// Weights, KV cache and compute buffer, as loaded.
-    pub planned_bytes: u64,
-    /// Stages: the layer range; expert workers: the layers of their experts.
-    pub range: std::ops::Range<u32>,
-    pub expert_layers: Vec<u32>,
-    /// Registered but out of the pipeline.
-    pub drained: bool,
-}
-
-/// The cluster as the coordinator made it: what the admin API shows.
-pub struct ClusterView {
-    pub model: Arc<ModelFile>,
-    pub config: PlanConfig,
-    pub stages: Vec<WorkerSpec>,
-    pub expert_workers: Vec<WorkerSpec>,
-    pub plan: Plan,
-    pub placements: Vec<Placement>,
-}
 
 /// What the admin service reads: the view once the cluster is up, and the
 /// health the watchers report.

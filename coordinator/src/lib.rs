@@ -11,10 +11,10 @@ pub mod admin;
 pub mod metrics;
 pub mod migrate;
 pub mod pipeline;
-pub mod plan;
 pub mod recover;
 pub mod scheduler;
 mod service;
+mod start;
 mod tools;
 
 use anyhow::Context;
@@ -22,19 +22,15 @@ use metrics::Metrics;
 use omni_engine::chat::ChatTemplate;
 use omni_engine::model::ModelFile;
 use omni_engine::tokenizer::Tokenizer;
-use omni_proto::coordinator::v1::{
-    inference_server, registry_server, ExpertWorkerInfo, InfoReply, WorkerKind,
-};
-use omni_proto::worker::v1::{
-    experts_client::ExpertsClient, worker_client::WorkerClient, Endpoint, Inventory,
-    LoadExpertsRequest, LoadRequest, Transport, WireRequest,
-};
+use omni_planner as plan;
+use omni_proto::coordinator::v1::{inference_server, registry_server, InfoReply, WorkerKind};
+use omni_proto::worker::v1::{worker_client::WorkerClient, Inventory};
 use omni_transport::{Inbox, Outbox, TransportChoice};
-use plan::{ExpertPolicy, PlanConfig, Split, WorkerSpec};
-use scheduler::{Event, Scheduler, SchedulerConfig};
+use plan::{ExpertPolicy, WorkerSpec};
+use scheduler::{Event, Scheduler};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A name for this coordinator process, different at every start (pid and
@@ -201,6 +197,42 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    fn new(
+        cfg: &CoordinatorConfig,
+        model: &ModelFile,
+        tokenizer: Arc<Tokenizer>,
+        template: Option<ChatTemplate>,
+        registrations: mpsc::UnboundedSender<Registered>,
+        metrics: Arc<Metrics>,
+    ) -> Shared {
+        let info = Arc::new(Mutex::new(InfoReply {
+            model_path: cfg.model.display().to_string(),
+            architecture: model.hparams.arch.name().to_string(),
+            n_ctx: cfg.ctx as u32,
+            n_vocab: tokenizer.n_vocab() as u32,
+            n_seq: cfg.seqs as u32,
+            state: "waiting for workers".into(),
+            instance: instance_id(),
+            ..Default::default()
+        }));
+        let admin = Arc::new(admin::AdminState::new(metrics.clone()));
+        admin.set_info(info.clone());
+        Shared {
+            cfg: cfg.clone(),
+            tokenizer,
+            template,
+            registrations,
+            registering: Mutex::new(true),
+            events: Mutex::new(None),
+            info,
+            next_seq: 1.into(),
+            metrics,
+            admin,
+            recovery: Arc::default(),
+            grammars: Default::default(),
+        }
+    }
+
     /// Compiles a request's grammar: INVALID_ARGUMENT naming what is wrong
     /// with it ("invalid JSON schema: ...").
     pub fn check_grammar(&self, g: &omni_engine::sampling::Grammar) -> Result<(), tonic::Status> {
@@ -235,23 +267,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         "the admin token (--admin-token / --admin-token-file)",
     )
     .map_err(anyhow::Error::msg)?;
-    let model = ModelFile::open(&cfg.model)
-        .with_context(|| format!("cannot serve {}", cfg.model.display()))?;
-    let tokenizer = Arc::new(Tokenizer::load(&cfg.model)?);
-    let template = match model.chat_template() {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!("no usable chat template: {e}");
-            None
-        }
-    };
-    let n_ctx_train = model.hparams.n_ctx_train as usize;
-    if cfg.ctx > n_ctx_train {
-        anyhow::bail!(
-            "--ctx {} exceeds the model's trained context of {n_ctx_train} tokens",
-            cfg.ctx
-        );
-    }
+    let (model, tokenizer, template) = start::open_model(&cfg)?;
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
@@ -278,30 +294,14 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     let host_id = omni_transport::host_id();
     let (reg_tx, mut reg_rx) = mpsc::unbounded_channel();
     let metrics = Arc::new(Metrics::new());
-    let shared = Arc::new(Shared {
-        cfg: cfg.clone(),
-        tokenizer: tokenizer.clone(),
+    let shared = Arc::new(Shared::new(
+        &cfg,
+        &model,
+        tokenizer.clone(),
         template,
-        registrations: reg_tx,
-        registering: Mutex::new(true),
-        events: Mutex::new(None),
-        info: Arc::new(Mutex::new(InfoReply {
-            model_path: cfg.model.display().to_string(),
-            architecture: model.hparams.arch.name().to_string(),
-            n_ctx: cfg.ctx as u32,
-            n_vocab: tokenizer.n_vocab() as u32,
-            n_seq: cfg.seqs as u32,
-            state: "waiting for workers".into(),
-            instance: instance_id(),
-            ..Default::default()
-        })),
-        next_seq: 1.into(),
-        metrics: metrics.clone(),
-        admin: Arc::new(admin::AdminState::new(metrics.clone())),
-        recovery: Arc::default(),
-        grammars: Default::default(),
-    });
-    shared.admin.set_info(shared.info.clone());
+        reg_tx,
+        metrics.clone(),
+    ));
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -319,96 +319,14 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         .add_service(inbox.sink_service())
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let server = tokio::spawn(server);
-    let admin_listener = tokio::net::TcpListener::bind(&cfg.admin_listen)
-        .await
-        .with_context(|| format!("cannot listen on {} (--admin-listen)", cfg.admin_listen))?;
-    tracing::info!(
-        "admin API on {}{}",
-        admin_listener.local_addr()?,
-        if cfg.admin_token.as_deref().is_some_and(|t| !t.is_empty()) {
-            ""
-        } else {
-            " (refusing every call: no admin token)"
-        }
-    );
-    let admin_server = tonic::transport::Server::builder()
-        .add_service(
-            omni_proto::admin::v1::admin_server::AdminServer::with_interceptor(
-                admin::AdminSvc(shared.admin.clone()),
-                admin::Auth::new(cfg.admin_token.clone()),
-            ),
-        )
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
-            admin_listener,
-        ));
-    tokio::spawn(async move {
-        if let Err(e) = admin_server.await {
-            tracing::error!("the admin API stopped: {e}");
-        }
-    });
+    start::serve_admin(&cfg, shared.admin.clone()).await?;
     if let Some(addr) = &cfg.metrics_listen {
         let m = metrics.clone();
         omni_transport::metrics::serve(addr, Arc::new(move || m.render())).await?;
     }
 
     // 1. Workers.
-    let deadline = Instant::now() + Duration::from_secs_f64(cfg.register_timeout);
-    let mut workers: Vec<Registered> = Vec::new();
-    let mut expert_workers: Vec<Registered> = Vec::new();
-    while workers.len() < cfg.workers || expert_workers.len() < cfg.cpu_workers {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, reg_rx.recv()).await {
-            Ok(Some(w)) => {
-                let (list, want, what) = match w.kind {
-                    WorkerKind::Stage => (&mut workers, cfg.workers, "worker"),
-                    WorkerKind::Experts => (&mut expert_workers, cfg.cpu_workers, "expert worker"),
-                };
-                if list.len() >= want {
-                    tracing::warn!(
-                        "{what} {} at {} registered, but {want} {what}(s) are expected and here; it stays idle",
-                        w.id,
-                        w.addr
-                    );
-                    continue;
-                }
-                tracing::info!(
-                    "{what} {} registered from {} ({}, {:.2} GiB free)",
-                    w.id,
-                    w.addr,
-                    w.inventory.device,
-                    w.inventory.memory_free as f64 / (1u64 << 30) as f64
-                );
-                list.push(w);
-            }
-            _ => {
-                let names: Vec<String> = workers
-                    .iter()
-                    .chain(&expert_workers)
-                    .map(|w| format!("{} at {}", w.id, w.addr))
-                    .collect();
-                let experts = if cfg.cpu_workers > 0 {
-                    format!(
-                        " and {} of {} expert workers",
-                        expert_workers.len(),
-                        cfg.cpu_workers
-                    )
-                } else {
-                    String::new()
-                };
-                anyhow::bail!(
-                    "only {} of {} workers{experts} registered within {:.0}s{}",
-                    workers.len(),
-                    cfg.workers,
-                    cfg.register_timeout,
-                    if names.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (registered: {})", names.join(", "))
-                    }
-                );
-            }
-        }
-    }
+    let (mut workers, mut expert_workers) = start::wait_for_workers(&cfg, &mut reg_rx).await?;
     shared.recovery.know(
         &workers
             .iter()
@@ -422,107 +340,21 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
 
     // 2. Plan, before anything is loaded.
     let sites: Vec<pipeline::Site> = workers.iter().map(pipeline::Site::of).collect();
-    let rates = pipeline::site_rates(
-        &sites,
-        &workers
-            .iter()
-            .map(|w| w.inventory.weight_read_rate)
-            .collect::<Vec<_>>(),
-    );
-    let rate_of = |id: &str| {
-        workers
-            .iter()
-            .position(|w| w.id == id)
-            .map_or(0, |i| rates[i] as u64)
-    };
-    // Workers of one host that compute on its RAM (stage and expert
-    // workers), or on one GPU, share that memory: each offers what it has
-    // free, so the planner counts it once.
-    let pool = |w: &Registered| -> Option<plan::MemoryPool> {
-        let inv = &w.inventory;
-        if inv.host_id.is_empty() {
-            return None;
-        }
-        let host = if inv.hostname.is_empty() {
-            "host".to_string()
-        } else {
-            format!("host {}", inv.hostname)
-        };
-        Some(match &inv.gpu {
-            Some(g) => {
-                let card = [&g.uuid, &g.pci_bus_id, &inv.device]
-                    .into_iter()
-                    .find(|s| !s.is_empty())
-                    .cloned()
-                    .unwrap_or_default();
-                plan::MemoryPool {
-                    key: format!("{}/gpu/{card}", inv.host_id),
-                    name: format!("{host}'s {}", inv.device),
-                }
-            }
-            None => plan::MemoryPool {
-                key: format!("{}/ram", inv.host_id),
-                name: format!("{host}'s RAM"),
-            },
-        })
-    };
-    let spec = |w: &Registered| WorkerSpec {
-        id: w.id.clone(),
-        device: w.inventory.device.clone(),
-        free_bytes: w.inventory.memory_free,
-        total_bytes: w.inventory.memory_total,
-        read_rate: rate_of(&w.id),
-        pool: pool(w),
-    };
+    let read_rates = start::read_rates(&workers, &sites);
+    let spec = |w: &Registered| start::worker_spec(w, read_rates.get(&w.id).copied().unwrap_or(0));
     let specs: Vec<WorkerSpec> = workers.iter().map(spec).collect();
     let expert_specs: Vec<WorkerSpec> = expert_workers.iter().map(spec).collect();
-    let pcfg = PlanConfig {
-        n_ctx: cfg.ctx,
-        n_seq: cfg.seqs,
-        n_ubatch: cfg.ubatch,
-        headroom: cfg.headroom,
-        split: match (&cfg.split, &cfg.counts) {
-            (Some(p), _) => Some(Split::Proportions(p.clone())),
-            (None, Some(l)) => Some(Split::Layers(l.clone())),
-            (None, None) => None,
-        },
-        experts: cfg.experts,
-        gpu_experts: cfg.gpu_experts,
-    };
+    let pcfg = start::plan_config(&cfg);
     let plan = plan::plan_with_experts(&model, &specs, &expert_specs, &pcfg)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!("plan:\n{plan}");
     shared.info.lock().unwrap().state = "loading".into();
 
     // 3. Load every stage (in parallel), then wire the pipeline.
-    let mut loads = Vec::new();
-    for (i, (st, w)) in plan.stages.iter().zip(&workers).enumerate() {
-        let req = LoadRequest {
-            model_path: cfg.model.display().to_string(),
-            embed: st.range.embed,
-            layer_start: st.range.layers.start,
-            layer_end: st.range.layers.end,
-            head: st.range.head,
-            n_ctx: cfg.ctx as u32,
-            n_seq: cfg.seqs as u32,
-            n_ubatch: cfg.ubatch as u32,
-            f16_hidden: cfg.f16_hidden,
-            stage: i as u32,
-            offloaded: st.offloaded.clone(),
-            gpu_experts: cfg.gpu_experts,
-        };
-        let (id, addr) = (w.id.clone(), w.addr.clone());
-        loads.push(tokio::spawn(async move {
-            let mut c = worker_client(&addr).await?;
-            let r = c.load(req).await.map_err(|s| {
-                anyhow::anyhow!(
-                    "worker {id} ({addr}) could not load its layers: {}",
-                    s.message()
-                )
-            })?;
-            anyhow::Ok(r.into_inner())
-        }));
-    }
+    let (replies, expert_info) = tokio::try_join!(
+        start::load_stages(&cfg, &plan, &workers),
+        start::load_experts(&cfg, &plan, &expert_workers),
+    )?;
     // The plan names only registered expert workers.
     let expert_worker = |id: &str| -> &Registered {
         expert_workers
@@ -530,109 +362,18 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
             .find(|w| w.id == id)
             .expect("the plan names registered expert workers")
     };
-    let mut expert_loads = Vec::new();
-    for ep in &plan.experts {
-        let w = expert_worker(&ep.worker);
-        let req = LoadExpertsRequest {
-            model_path: cfg.model.display().to_string(),
-            layers: ep.layers.clone(),
-            n_ubatch: cfg.ubatch as u32,
-        };
-        let (id, addr) = (w.id.clone(), w.addr.clone());
-        expert_loads.push(tokio::spawn(async move {
-            let ch = channel(&addr).await?;
-            let r = ExpertsClient::new(ch)
-                .load_experts(req)
-                .await
-                .map_err(|s| {
-                    anyhow::anyhow!(
-                        "expert worker {id} ({addr}) could not load its experts: {}",
-                        s.message()
-                    )
-                })?;
-            anyhow::Ok(r.into_inner())
-        }));
-    }
-    let mut replies = Vec::new();
-    for l in loads {
-        replies.push(l.await??);
-    }
-    let mut expert_info = Vec::new();
-    for (ep, l) in plan.experts.iter().zip(expert_loads) {
-        let r = l.await??;
-        let w = expert_worker(&ep.worker);
-        tracing::info!(
-            "expert worker {} holds the experts of layers {} ({} weights, {} compute; {})",
-            w.id,
-            plan::fmt_layers(&ep.layers),
-            omni_engine::fmt_bytes(r.weight_bytes),
-            omni_engine::fmt_bytes(r.compute_bytes),
-            r.binding
-        );
-        expert_info.push(ExpertWorkerInfo {
-            worker_id: w.id.clone(),
-            worker_addr: w.addr.clone(),
-            device: w.inventory.device.clone(),
-            layers: plan::fmt_layers(&ep.layers),
-            weight_bytes: r.weight_bytes,
-            compute_bytes: r.compute_bytes,
-            binding: r.binding,
-        });
-    }
     let inbox = Arc::new(Mutex::new(inbox));
     let results_ep = inbox.lock().unwrap().endpoint(&advertise, &host_id);
-    let transport = Transport::from(cfg.transport);
-    let mut live_workers = Vec::new();
-    for (i, w) in workers.iter().enumerate() {
-        let next: Endpoint = match replies.get(i + 1) {
-            Some(r) => r.inbox.clone().unwrap_or_default(),
-            None => results_ep.clone(),
-        };
-        let routes = migrate::routes_for(&plan.stages[i].offloaded, &plan, |id| {
-            expert_worker(id).addr.clone()
-        });
-        let mut c = worker_client(&w.addr).await?;
-        let r = c
-            .wire(WireRequest {
-                next: Some(next),
-                transport: transport as i32,
-                experts: routes.clone(),
-            })
-            .await
-            .map_err(|s| {
-                anyhow::anyhow!(
-                    "worker {} could not connect to the next stage or its expert workers: {}",
-                    w.id,
-                    s.message()
-                )
-            })?
-            .into_inner();
-        let st = &plan.stages[i];
-        let lr = &replies[i];
-        tracing::info!(
-            "stage {i}: worker {} runs {} ({} weights, {} KV, {} compute), output over {}",
-            w.id,
-            st.range,
-            omni_engine::fmt_bytes(lr.weight_bytes),
-            omni_engine::fmt_bytes(lr.kv_bytes),
-            omni_engine::fmt_bytes(lr.compute_bytes),
-            r.transport
-        );
-        for (route, how) in routes.iter().zip(&r.expert_transports) {
-            tracing::info!(
-                "stage {i}: the experts of layers {} run on {} over {how}",
-                plan::fmt_layers(&route.layers),
-                route.worker_id
-            );
-        }
-        live_workers.push(migrate::LiveWorker {
-            reg: w.clone(),
-            spec: spec(w),
-            stage_bytes: (lr.weight_bytes, lr.kv_bytes, lr.compute_bytes),
-            transport: r.transport,
-            expert_transports: r.expert_transports,
-        });
-    }
+    let live_workers = start::wire(
+        &cfg,
+        &plan,
+        &workers,
+        &replies,
+        &results_ep,
+        |id| expert_worker(id).addr.clone(),
+        spec,
+    )
+    .await?;
     let first = replies[0].inbox.clone().unwrap_or_default();
     let outbox = Outbox::connect(&first, cfg.transport)
         .await
@@ -640,19 +381,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     tracing::info!("steps go to stage 0 over {}", outbox.kind());
 
     // 4. Serve.
-    let (n_groups, pipeline_note) = match cfg.micro_batches {
-        Some(n) => (
-            n.max(1),
-            format!("{} micro-batch groups (--micro-batches)", n.max(1)),
-        ),
-        None => {
-            let (n, why) = pipeline::default_groups(&sites);
-            if let Some(why) = &why {
-                tracing::info!("{why}");
-            }
-            (n, why.unwrap_or_default())
-        }
-    };
+    let (n_groups, pipeline_note) = start::micro_batch_groups(&cfg, &sites);
     // The scheduler thread waits on the results ring itself; events ring
     // the same doorbell.
     let frames = inbox.lock().unwrap().reader();
@@ -660,15 +389,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
     let (recover_tx, recover_rx) = mpsc::unbounded_channel();
     let sched = Scheduler::new(
-        SchedulerConfig {
-            n_ctx: cfg.ctx,
-            n_seq: cfg.seqs,
-            n_ubatch: cfg.ubatch,
-            prefill_chunk: cfg.prefill_chunk,
-            n_groups,
-            step_timeout: Duration::from_secs_f64(cfg.step_timeout),
-            max_queue: cfg.max_queue,
-        },
+        start::scheduler_config(&cfg, n_groups),
         tokenizer,
         outbox,
         metrics,
@@ -678,24 +399,13 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         .name("scheduler".into())
         .spawn(move || sched.run(ev_rx, frames))?;
     let live = migrate::Live::new(
-        migrate::Setup {
-            model: model.clone(),
-            pcfg: pcfg.clone(),
-            transport: cfg.transport,
-            advertise: advertise.clone(),
-            shm_dir: cfg.shm_dir.clone(),
-            events: ev_tx.clone(),
-            step_timeout: Duration::from_secs_f64(cfg.step_timeout),
-            load: LoadRequest {
-                model_path: cfg.model.display().to_string(),
-                n_ctx: cfg.ctx as u32,
-                n_seq: cfg.seqs as u32,
-                n_ubatch: cfg.ubatch as u32,
-                f16_hidden: cfg.f16_hidden,
-                gpu_experts: cfg.gpu_experts,
-                ..Default::default()
-            },
-        },
+        start::live_setup(
+            &cfg,
+            model.clone(),
+            pcfg.clone(),
+            advertise.clone(),
+            ev_tx.clone(),
+        ),
         live_workers,
         expert_info
             .iter()
@@ -709,26 +419,13 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     );
     let stages = live.stage_infos();
     shared.admin.set_live(live);
-    tokio::spawn(recover::run(
+    start::watch(
+        &cfg,
+        &shared,
         recover_rx,
-        shared.admin.clone(),
-        shared.recovery.clone(),
-        shared.info.clone(),
+        workers.iter().chain(&expert_workers),
         ev_tx.clone(),
-        recover::Timeouts {
-            rejoin: Duration::from_secs_f64(cfg.rejoin_timeout),
-            give_up: Duration::from_secs_f64(cfg.recovery_timeout),
-        },
-    ));
-    for w in workers.iter().chain(&expert_workers) {
-        tokio::spawn(watch_worker(
-            w.clone(),
-            Duration::from_secs_f64(cfg.health_interval),
-            ev_tx.clone(),
-            shared.admin.clone(),
-            shared.recovery.clone(),
-        ));
-    }
+    );
     {
         let mut info = shared.info.lock().unwrap();
         info.stages = stages;

@@ -19,7 +19,6 @@
 //!    or, if anything failed, roll every worker back to its old stage (it
 //!    was kept, and no step ran since) and resume as before.
 
-use crate::admin::{ClusterView, Placement};
 use crate::plan::{self, Plan, PlanConfig, Split, WorkerSpec};
 use crate::scheduler::Event;
 use crate::Registered;
@@ -35,6 +34,33 @@ use omni_transport::{Inbox, Outbox, TransportChoice};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::Status;
+
+/// What one worker was given by the plan.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    pub worker: Registered,
+    /// Pipeline position (stages only).
+    pub stage: u32,
+    pub layers: String,
+    pub offloaded: String,
+    /// Weights, KV cache and compute buffer, as loaded.
+    pub planned_bytes: u64,
+    /// Stages: the layer range; expert workers: the layers of their experts.
+    pub range: std::ops::Range<u32>,
+    pub expert_layers: Vec<u32>,
+    /// Registered but out of the pipeline.
+    pub drained: bool,
+}
+
+/// The cluster as the coordinator made it: what the admin API shows.
+pub struct ClusterView {
+    pub model: Arc<ModelFile>,
+    pub config: PlanConfig,
+    pub stages: Vec<WorkerSpec>,
+    pub expert_workers: Vec<WorkerSpec>,
+    pub plan: Plan,
+    pub placements: Vec<Placement>,
+}
 
 /// One stage worker as the coordinator knows it.
 pub struct LiveWorker {

@@ -7,10 +7,10 @@
 
 use anyhow::Context;
 use clap::Args;
-use omni_coordinator::plan::{
+use omni_engine::ModelFile;
+use omni_planner::{
     parse_size, plan_with_experts, ExpertPolicy, Plan, PlanConfig, Split, WorkerSpec,
 };
-use omni_engine::ModelFile;
 
 #[derive(Args, Debug)]
 #[command(

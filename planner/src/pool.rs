@@ -5,7 +5,9 @@
 //! their offers after headroom, while each worker's own offer (its
 //! `--memory`) still caps it alone.
 
-use super::{budget, fmt_bytes, pct, WorkerSpec};
+use crate::cost::budget;
+use crate::show::pct;
+use crate::{fmt_bytes, WorkerSpec};
 
 /// One memory that more than one worker computes on.
 #[derive(Clone, Debug)]

@@ -5,14 +5,14 @@
 
 use std::sync::Arc;
 
-use omni_coordinator::plan::{
+use omni_engine::kv::KvConfig;
+use omni_engine::model::ModelFile;
+use omni_engine::stage::{LayerRange, Stage, StageConfig};
+use omni_planner::{
     compute_estimate, expert_compute_estimate, fmt_bytes, fmt_layers, parse_size, plan,
     plan_with_experts, work_per_token, ExpertPolicy, Plan, PlanConfig, PlanError, Split,
     WorkerSpec,
 };
-use omni_engine::kv::KvConfig;
-use omni_engine::model::ModelFile;
-use omni_engine::stage::{LayerRange, Stage, StageConfig};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -298,17 +298,13 @@ fn automatic_split_over_mixed_devices_is_proportional_when_it_fits_else_packed()
         let third = plan(&m, &workers(&[6 * GIB, 2 * GIB]), &cfg(None)).unwrap();
         assert_eq!(
             counts(&third),
-            omni_coordinator::plan::proportions_to_counts(
-                &[6.0, 2.0],
-                &workers(&[6 * GIB, 2 * GIB]),
-                n
-            )
-            .unwrap()
+            omni_planner::proportions_to_counts(&[6.0, 2.0], &workers(&[6 * GIB, 2 * GIB]), n)
+                .unwrap()
         );
         // Equal workers just big enough for the packed split but not for
         // the proportional one (the head's logits buffer makes its stage heavy).
         let huge = workers(&[64 * GIB, 64 * GIB]);
-        let packed = omni_coordinator::plan::min_max_split(&m, &huge, &cfg(None));
+        let packed = omni_planner::min_max_split(&m, &huge, &cfg(None));
         let total_of = |c: &[u32]| {
             let p = plan(&m, &huge, &cfg(Some(Split::Layers(c.to_vec())))).unwrap();
             p.stages.iter().map(|s| s.bytes.total).max().unwrap()
@@ -334,7 +330,7 @@ fn packed_split_is_no_worse_than_any_other() {
         let n = m.hparams.n_layer;
         for free in [vec![6 * GIB, 2 * GIB], vec![3 * GIB, 3 * GIB, 2 * GIB]] {
             let ws = workers(&free);
-            let packed = omni_coordinator::plan::min_max_split(&m, &ws, &cfg(None));
+            let packed = omni_planner::min_max_split(&m, &ws, &cfg(None));
             let auto = plan(&m, &ws, &cfg(Some(Split::Layers(packed)))).unwrap();
             let best = worst(&auto);
             let mut splits: Vec<Vec<u32>> = Vec::new();

@@ -6,11 +6,11 @@
 
 use std::sync::Arc;
 
-use omni_coordinator::plan::{
+use omni_engine::model::ModelFile;
+use omni_planner::{
     fmt_bytes, plan, plan_with_experts, ExpertPolicy, MemoryPool, Plan, PlanConfig, PlanError,
     Split, WorkerSpec,
 };
-use omni_engine::model::ModelFile;
 
 #[path = "../../engine/tests/common/mod.rs"]
 mod common;

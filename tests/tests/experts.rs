@@ -325,7 +325,7 @@ fn gpu_experts_move_the_most_used_experts_to_the_stages_without_changing_tokens(
 /// same planner, so that one MoE layer's experts too many do not fit.
 #[test]
 fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
-    use omni_coordinator::plan::{plan_with_experts, ExpertPolicy, PlanConfig, WorkerSpec};
+    use omni_planner::{plan_with_experts, ExpertPolicy, PlanConfig, WorkerSpec};
     let _g = serial();
     for name in ["deepseek2-mla-f32", "qwen3moe-q8_0"] {
         let path = file(name);

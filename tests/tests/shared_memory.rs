@@ -4,7 +4,7 @@
 //! offers, not the sum (issue 24: two workers each offering "what the
 //! machine has free" once made the plan promise twice the machine).
 
-use omni_coordinator::plan::{fmt_bytes, plan, PlanConfig, WorkerSpec};
+use omni_planner::{fmt_bytes, plan, PlanConfig, WorkerSpec};
 use omni_tests::fixtures::{model, GEMMA};
 use std::time::{Duration, Instant};
 

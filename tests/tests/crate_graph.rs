@@ -1,0 +1,152 @@
+//! The crate graph keeps its shape: services (the crates with a binary) use
+//! libraries, never each other, and the router and the planner build without
+//! llama.cpp (the planner is what `omnictl plan` and the coordinator share;
+//! linking the scheduler or ggml into it is what this test exists to stop).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+fn cargo(args: &[&str]) -> String {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(&cargo)
+        .args(args)
+        .current_dir(workspace())
+        .output()
+        .unwrap_or_else(|e| panic!("{cargo} {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cargo} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("cargo prints UTF-8")
+}
+
+/// Per workspace member: whether it has a binary, and the workspace members
+/// it depends on for its own build (normal and build dependencies; tests and
+/// benchmarks may use anything).
+fn members() -> BTreeMap<String, (bool, BTreeSet<String>)> {
+    let meta: serde_json::Value = serde_json::from_str(&cargo(&[
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+        "--locked",
+    ]))
+    .expect("cargo metadata is JSON");
+    let packages = meta["packages"].as_array().expect("packages");
+    let names: BTreeSet<String> = packages
+        .iter()
+        .map(|p| p["name"].as_str().expect("name").to_string())
+        .collect();
+    packages
+        .iter()
+        .map(|p| {
+            let has_bin = p["targets"].as_array().expect("targets").iter().any(|t| {
+                t["kind"]
+                    .as_array()
+                    .expect("kind")
+                    .iter()
+                    .any(|k| k == "bin")
+            });
+            let deps = p["dependencies"]
+                .as_array()
+                .expect("dependencies")
+                .iter()
+                .filter(|d| d["kind"] != "dev")
+                .map(|d| d["name"].as_str().expect("dependency name").to_string())
+                .filter(|d| names.contains(d))
+                .collect();
+            (
+                p["name"].as_str().expect("name").to_string(),
+                (has_bin, deps),
+            )
+        })
+        .collect()
+}
+
+/// The packages `cargo build -p krate` would build: `cargo tree` resolves
+/// features for the one package, as that build would (cargo metadata only
+/// gives the whole workspace's union, where the engine always has ggml).
+fn builds_of(krate: &str) -> BTreeSet<String> {
+    cargo(&[
+        "tree",
+        "--locked",
+        "-p",
+        krate,
+        "-e",
+        "normal,build",
+        "--prefix",
+        "none",
+        "-f",
+        "{p}",
+    ])
+    .lines()
+    .filter_map(|l| l.split_whitespace().next())
+    .map(str::to_string)
+    .collect()
+}
+
+#[test]
+fn no_service_crate_depends_on_another() {
+    let members = members();
+    let services: BTreeSet<&String> = members
+        .iter()
+        .filter(|(_, (bin, _))| *bin)
+        .map(|(n, _)| n)
+        .collect();
+    for expected in [
+        "omni-coordinator",
+        "omni-gpu-worker",
+        "omni-cpu-worker",
+        "omni-router",
+        "omnictl",
+    ] {
+        assert!(
+            services.iter().any(|s| *s == expected),
+            "{expected} has no binary? services: {services:?}"
+        );
+    }
+    let mut wrong = Vec::new();
+    for s in &services {
+        for d in &members[*s].1 {
+            if services.contains(d) {
+                wrong.push(format!("{s} depends on {d}"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "services must share code through library crates (the planner, the engine, proto, transport, telemetry), not depend on each other: {}",
+        wrong.join("; ")
+    );
+}
+
+#[test]
+fn the_router_and_the_planner_do_not_link_llama_cpp() {
+    for krate in ["omni-router", "omni-planner"] {
+        let built = builds_of(krate);
+        assert!(built.contains(krate), "cargo tree -p {krate}: {built:?}");
+        assert!(
+            !built.contains("llama-cpp-sys-2"),
+            "{krate} builds llama-cpp-sys-2: {built:?}"
+        );
+    }
+    // The check can fail: omnictl runs models in-process, so it does link it.
+    assert!(builds_of("omnictl").contains("llama-cpp-sys-2"));
+}
+
+#[test]
+fn omnictl_uses_the_planner_not_the_coordinator() {
+    let members = members();
+    let omnictl = &members["omnictl"].1;
+    assert!(omnictl.contains("omni-planner"), "{omnictl:?}");
+    assert!(!omnictl.contains("omni-coordinator"), "{omnictl:?}");
+}
