@@ -11,6 +11,7 @@ mod bench_serve;
 mod fetch;
 mod generate;
 mod plan;
+pub mod reference;
 mod remote;
 mod top;
 mod up;
@@ -63,6 +64,9 @@ pub enum Command {
     Drain(admin::DrainArgs),
     /// Put a drained worker back into the pipeline, while serving (admin API).
     Undrain(admin::DrainArgs),
+    /// Print the omnictl reference in Markdown (docs/omnictl.md).
+    #[command(hide = true)]
+    Reference,
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -78,6 +82,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::BenchServe(args) => bench_serve::run(args),
         Command::BenchMove(args) => bench_move::run(args),
         Command::Plan(args) => plan::run(&args),
+        Command::Reference => {
+            print!("{}", reference::markdown());
+            Ok(())
+        }
         Command::Up(args) => up::run(args),
         Command::Workers(args) => admin::workers(&args),
         Command::Top(args) => top::run(&args),
