@@ -4,6 +4,7 @@
 //! time with the coordinator's `--admin-token`; a coordinator without a
 //! token refuses them all, so the admin API is never open by accident.
 
+use crate::error::Error;
 use crate::migrate::{ClusterView, Live};
 use crate::plan::{self, ExpertPolicy, Plan, Split};
 use omni_proto::admin::v1::{
@@ -76,7 +77,9 @@ impl AdminState {
     async fn move_cluster(&self, op: MoveOp) -> Result<MoveReply, Status> {
         let mut guard = self.live.lock().await;
         let live = guard.as_mut().ok_or_else(|| {
-            Status::unavailable("the cluster is still starting: nothing can move yet")
+            Status::from(Error::not_ready(
+                "the cluster is still starting: nothing can move yet",
+            ))
         })?;
         let reply = match op {
             MoveOp::Rebalance(r) => {
@@ -85,9 +88,9 @@ impl AdminState {
                     (true, false, true) => r.layers,
                     (true, true, false) => live.counts_for(Split::Proportions(r.split))?,
                     _ => {
-                        return Err(Status::invalid_argument(
+                        return Err(Status::from(Error::invalid_request(
                             "give one of: layers to move with the worker to take them, layer counts, or a split",
-                        ))
+                        )))
                     }
                 };
                 live.rebalance(counts).await
@@ -145,9 +148,9 @@ impl Auth {
 impl tonic::service::Interceptor for Auth {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
         let Some(token) = &self.token else {
-            return Err(Status::unauthenticated(
+            return Err(Status::from(Error::unauthenticated(
                 "admin calls are refused: this coordinator has no admin token (start it with OMNI_ADMIN_TOKEN or --admin-token-file; `omnictl up` makes one)",
-            ));
+            )));
         };
         let given = req
             .metadata()
@@ -156,10 +159,10 @@ impl tonic::service::Interceptor for Auth {
             .and_then(|v| v.strip_prefix("Bearer "));
         match given {
             Some(g) if constant_time_eq(g.as_bytes(), token.as_bytes()) => Ok(req),
-            Some(_) => Err(Status::unauthenticated("wrong admin token")),
-            None => Err(Status::unauthenticated(
+            Some(_) => Err(Status::from(Error::unauthenticated("wrong admin token"))),
+            None => Err(Status::from(Error::unauthenticated(
                 "admin calls need `authorization: Bearer <admin token>`",
-            )),
+            ))),
         }
     }
 }
@@ -178,13 +181,15 @@ impl AdminSvc {
         let state = self.0.clone();
         tokio::spawn(async move { state.move_cluster(op).await })
             .await
-            .map_err(|e| Status::internal(format!("the move task failed: {e}")))?
+            .map_err(|e| Status::from(Error::internal(format!("the move task failed: {e}"))))?
             .map(Response::new)
     }
 
     fn view(&self) -> Result<Arc<ClusterView>, Status> {
         self.0.view.lock().unwrap().clone().ok_or_else(|| {
-            Status::unavailable("the cluster is still starting: no plan has been loaded yet")
+            Status::from(Error::not_ready(
+                "the cluster is still starting: no plan has been loaded yet",
+            ))
         })
     }
 }
@@ -319,16 +324,18 @@ impl admin_server::Admin for AdminSvc {
             (false, true) => Some(Split::Layers(r.layers)),
             (true, false) => Some(Split::Proportions(r.split)),
             (false, false) => {
-                return Err(Status::invalid_argument("give layers or split, not both"))
+                return Err(Status::from(Error::invalid_request(
+                    "give layers or split, not both",
+                )))
             }
         };
         if !r.experts.is_empty() {
             cfg.experts =
                 <ExpertPolicy as clap::ValueEnum>::from_str(&r.experts, true).map_err(|_| {
-                    Status::invalid_argument(format!(
+                    Status::from(Error::invalid_request(format!(
                         "experts '{}' is not auto, device or cpu",
                         r.experts
-                    ))
+                    )))
                 })?;
         }
         if let Some(k) = r.gpu_experts {
@@ -340,8 +347,8 @@ impl admin_server::Admin for AdminSvc {
             plan::plan_with_experts(&model, &stages, &experts, &cfg)
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        .map_err(|e| Status::from(Error::internal(e.to_string())))?
+        .map_err(|e| Status::from(Error::refused(e.to_string())))?;
         plan_reply(&p)
     }
 }

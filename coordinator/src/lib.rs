@@ -8,6 +8,7 @@
 //! last stage → coordinator), and only then report SERVING.
 
 pub mod admin;
+mod error;
 pub mod metrics;
 pub mod migrate;
 pub mod pipeline;
@@ -23,7 +24,7 @@ use omni_engine::chat::ChatTemplate;
 use omni_engine::model::ModelFile;
 use omni_engine::tokenizer::Tokenizer;
 use omni_planner as plan;
-use omni_proto::coordinator::v1::{inference_server, registry_server, InfoReply, WorkerKind};
+use omni_proto::coordinator::v1::{inference_server, InfoReply, WorkerKind};
 use omni_proto::worker::v1::{worker_client::WorkerClient, Inventory};
 use omni_transport::{Inbox, Outbox, TransportChoice};
 use plan::{ExpertPolicy, WorkerSpec};
@@ -233,9 +234,9 @@ impl Shared {
         }
     }
 
-    /// Compiles a request's grammar: INVALID_ARGUMENT naming what is wrong
-    /// with it ("invalid JSON schema: ...").
-    pub fn check_grammar(&self, g: &omni_engine::sampling::Grammar) -> Result<(), tonic::Status> {
+    /// Compiles a request's grammar: an error naming the request field it
+    /// came from and what is wrong with it ("invalid JSON schema: ...").
+    pub fn check_grammar(&self, g: &omni_engine::sampling::Grammar) -> Result<(), error::Error> {
         let grammars = self
             .grammars
             .get_or_init(|| {
@@ -243,12 +244,24 @@ impl Shared {
             })
             .as_ref()
             .map_err(|e| {
-                tonic::Status::internal(format!("constrained decoding is unavailable: {e}"))
+                error::Error::Internal(format!("constrained decoding is unavailable: {e}"))
             })?;
         grammars
             .compile(g)
             .map(drop)
-            .map_err(|e| tonic::Status::invalid_argument(e.to_string()))
+            .map_err(|e| error::Error::invalid(grammar_field(g), e.to_string()))
+    }
+}
+
+/// Where a grammar came from in the request: the tools' schemas for a tool
+/// call's grammar, else the grammar's kind.
+fn grammar_field(g: &omni_engine::sampling::Grammar) -> &'static str {
+    use omni_engine::sampling::Grammar;
+    match g {
+        Grammar::JsonObject => "sampling.grammar.json_object",
+        Grammar::JsonSchema { .. } => "sampling.grammar.json_schema",
+        Grammar::Lark { .. } => "sampling.grammar.lark",
+        Grammar::Triggered { .. } => "chat.tools_json",
     }
 }
 
@@ -273,18 +286,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let local = listener.local_addr()?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
-    tracing::info!(
-        "coordinator listening on {local}; model {} ({}, {} layers); waiting for {} worker(s){}",
-        cfg.model.display(),
-        model.hparams.arch.name(),
-        model.hparams.n_layer,
-        cfg.workers,
-        if cfg.cpu_workers > 0 {
-            format!(" and {} expert worker(s)", cfg.cpu_workers)
-        } else {
-            String::new()
-        }
-    );
+    start::log_listening(&cfg, &model, local);
 
     let mut inbox = Inbox::new();
     let name = format!("omni-coordinator-{}", std::process::id());
@@ -303,22 +305,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         metrics.clone(),
     ));
 
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_not_serving::<inference_server::InferenceServer<service::InferenceSvc>>()
-        .await;
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(health)
-        .add_service(registry_server::RegistryServer::new(service::RegistrySvc(
-            shared.clone(),
-        )))
-        .add_service(inference_server::InferenceServer::new(
-            service::InferenceSvc(shared.clone()),
-        ))
-        .add_service(inbox.sink_service())
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
-    let server = tokio::spawn(server);
+    let (health_reporter, server) = start::serve_inference(listener, &shared, &inbox).await;
     start::serve_admin(&cfg, shared.admin.clone()).await?;
     if let Some(addr) = &cfg.metrics_listen {
         let m = metrics.clone();

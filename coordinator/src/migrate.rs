@@ -19,6 +19,7 @@
 //!    or, if anything failed, roll every worker back to its old stage (it
 //!    was kept, and no step ran since) and resume as before.
 
+use crate::error::Error;
 use crate::plan::{self, Plan, PlanConfig, Split, WorkerSpec};
 use crate::scheduler::Event;
 use crate::Registered;
@@ -245,10 +246,10 @@ impl Live {
             .position(|w| w.reg.id == id)
             .ok_or_else(|| {
                 let ids: Vec<&str> = self.workers.iter().map(|w| w.reg.id.as_str()).collect();
-                Status::not_found(format!(
+                Status::from(Error::not_found(format!(
                     "no stage worker '{id}' (the stage workers are {})",
                     ids.join(", ")
-                ))
+                )))
             })
     }
 
@@ -257,9 +258,9 @@ impl Live {
     pub fn counts_moving(&self, moved: std::ops::Range<u32>, to: &str) -> Result<Vec<u32>, Status> {
         let wi = self.index_of(to)?;
         let t = self.serving.iter().position(|&s| s == wi).ok_or_else(|| {
-            Status::failed_precondition(format!(
+            Status::from(Error::refused(format!(
                 "worker {to} is drained; undrain it before moving layers to it"
-            ))
+            )))
         })?;
         let ranges: Vec<std::ops::Range<u32>> = self
             .plan
@@ -272,7 +273,7 @@ impl Live {
             .iter()
             .map(|&i| self.workers[i].reg.id.as_str())
             .collect();
-        counts_for_move(&ranges, &ids, moved, t).map_err(Status::failed_precondition)
+        counts_for_move(&ranges, &ids, moved, t).map_err(|e| Status::from(Error::refused(e)))
     }
 
     /// Layer counts by proportion (`--split 3,1`) over the serving workers.
@@ -291,15 +292,15 @@ impl Live {
     pub async fn drain(&mut self, id: &str) -> Result<MoveReply, Status> {
         let wi = self.index_of(id)?;
         if !self.serving.contains(&wi) {
-            return Err(Status::failed_precondition(format!(
+            return Err(Status::from(Error::refused(format!(
                 "worker {id} is already drained"
-            )));
+            ))));
         }
         let serving: Vec<usize> = self.serving.iter().copied().filter(|&i| i != wi).collect();
         if serving.is_empty() {
-            return Err(Status::failed_precondition(format!(
+            return Err(Status::from(Error::refused(format!(
                 "worker {id} is the only serving worker; draining it would leave nothing to serve"
-            )));
+            ))));
         }
         self.apply(serving, None).await
     }
@@ -308,9 +309,9 @@ impl Live {
     pub async fn undrain(&mut self, id: &str) -> Result<MoveReply, Status> {
         let wi = self.index_of(id)?;
         if self.serving.contains(&wi) {
-            return Err(Status::failed_precondition(format!(
+            return Err(Status::from(Error::refused(format!(
                 "worker {id} is serving, not drained"
-            )));
+            ))));
         }
         let mut serving = self.serving.clone();
         serving.push(wi);
@@ -328,7 +329,7 @@ impl Live {
             &experts,
             &cfg,
         )
-        .map_err(|e| Status::failed_precondition(e.to_string()))
+        .map_err(|e| Status::from(Error::refused(e.to_string())))
     }
 
     /// Carries out a move to `serving` with `counts` (None: the automatic
@@ -343,38 +344,13 @@ impl Live {
         if offloaded_layers(&new_plan) != offloaded_layers(&self.plan)
             || new_plan.experts != self.plan.experts
         {
-            return Err(Status::failed_precondition(format!(
+            return Err(Status::from(Error::refused(format!(
                 "the new split would change which layers' routed experts run on expert workers (now {}, then {}); experts do not move live, restart with the split instead",
                 plan::fmt_layers(&offloaded_layers(&self.plan)),
                 plan::fmt_layers(&offloaded_layers(&new_plan))
-            )));
+            ))));
         }
-        // What changes, worker by worker.
-        let at = |serving: &[usize], p: &Plan, wi: usize| {
-            serving.iter().position(|&s| s == wi).map(|i| {
-                (
-                    i as u32,
-                    p.stages[i].range.clone(),
-                    p.stages[i].offloaded.clone(),
-                )
-            })
-        };
-        let mut changes = Vec::new();
-        for wi in 0..self.workers.len() {
-            let old = at(&self.serving, &self.plan, wi);
-            let new = at(&serving, &new_plan, wi);
-            let strip = |x: &Option<(u32, LayerRange, Vec<u32>)>| {
-                x.as_ref().map(|(_, r, o)| (r.clone(), o.clone()))
-            };
-            if strip(&old) != strip(&new) {
-                changes.push(Change {
-                    worker: wi,
-                    stage: new.as_ref().map_or(0, |n| n.0),
-                    old: strip(&old),
-                    new: strip(&new),
-                });
-            }
-        }
+        let changes = self.changes(&serving, &new_plan);
         if changes.is_empty() {
             return Ok(MoveReply {
                 plan: Some(plan_reply(&self.plan)?),
@@ -383,33 +359,7 @@ impl Live {
                 ..Default::default()
             });
         }
-        // Both stages at once on every worker that changes.
-        for c in &changes {
-            let Some(i) = serving.iter().position(|&s| s == c.worker) else {
-                continue;
-            };
-            let w = &self.workers[c.worker];
-            let old = if c.old.is_some() {
-                let (a, b, c) = w.stage_bytes;
-                a + b + c
-            } else {
-                0
-            };
-            let new = new_plan.stages[i].bytes.total;
-            let budget = new_plan.stages[i].bytes.budget;
-            if old + new > budget {
-                return Err(Status::failed_precondition(format!(
-                    "during the move worker {} holds its old and its new stage at once: {} + {} = {}, more than its {} usable ({} free, {:.0}% headroom); move fewer layers at a time",
-                    w.reg.id,
-                    fmt_bytes(old),
-                    fmt_bytes(new),
-                    fmt_bytes(old + new),
-                    fmt_bytes(budget),
-                    fmt_bytes(w.spec.free_bytes),
-                    self.setup.pcfg.headroom * 100.0
-                )));
-            }
-        }
+        self.check_both_fit(&changes, &serving, &new_plan)?;
         let moves: Vec<String> = changes
             .iter()
             .map(|c| {
@@ -429,51 +379,25 @@ impl Live {
 
         // 2. Prepare, while serving.
         let t_prepare = Instant::now();
-        let mut prepares = Vec::new();
-        for c in &changes {
-            let Some((range, off)) = &c.new else { continue };
-            let req = PrepareRequest {
-                embed: range.embed,
-                layer_start: range.layers.start,
-                layer_end: range.layers.end,
-                head: range.head,
-                offloaded: off.clone(),
-                stage: c.stage,
-            };
-            let (id, addr) = self.addr(c.worker);
-            prepares.push((
-                c.worker,
-                tokio::spawn(async move {
-                    let mut cl = client(&addr, PREPARE_TIMEOUT).await?;
-                    cl.prepare(req).await.map(|r| r.into_inner()).map_err(|s| {
-                        format!("worker {id} could not load its new range: {}", s.message())
-                    })
-                }),
-            ));
-        }
-        let mut stage_bytes = Vec::new();
-        let mut failed = None;
-        for (wi, p) in prepares {
-            match p.await.map_err(|e| e.to_string()).and_then(|r| r) {
-                Ok(r) => stage_bytes.push((wi, (r.weight_bytes, r.kv_bytes, r.compute_bytes))),
-                Err(e) => failed = failed.or(Some(e)),
-            }
-        }
+        let prepared = self.prepare(&changes).await;
         let prepare_seconds = t_prepare.elapsed().as_secs_f64();
-        if let Some(e) = failed {
-            self.finish(&changes, false).await;
-            return Err(Status::aborted(format!(
-                "the move was abandoned before the switch, nothing changed: {e}"
-            )));
-        }
+        let stage_bytes = match prepared {
+            Ok(b) => b,
+            Err(e) => {
+                self.finish(&changes, false).await;
+                return Err(Status::from(Error::aborted(format!(
+                    "the move was abandoned before the switch, nothing changed: {e}"
+                ))));
+            }
+        };
 
         // 3. Pause at a step boundary, hand over, switch, rewire.
         let t_pause = Instant::now();
         if let Err(e) = self.pause().await {
             self.finish(&changes, false).await;
-            return Err(Status::aborted(format!(
+            return Err(Status::from(Error::aborted(format!(
                 "the move was abandoned, nothing changed: the pipeline could not pause: {e}"
-            )));
+            ))));
         }
         let t_paused = Instant::now();
         let handed = match self.hand_over(&changes).await {
@@ -494,9 +418,9 @@ impl Live {
                     }
                 };
                 let _ = self.setup.events.send(Event::Resume(outbox));
-                return Err(Status::aborted(format!(
+                return Err(Status::from(Error::aborted(format!(
                     "the move failed and was rolled back (every worker runs its old range): {e}"
-                )));
+                ))));
             }
         };
 
@@ -534,6 +458,112 @@ impl Live {
             kv_bytes,
             unchanged: false,
         })
+    }
+
+    /// What a move changes, worker by worker.
+    fn changes(&self, serving: &[usize], new_plan: &Plan) -> Vec<Change> {
+        let at = |serving: &[usize], p: &Plan, wi: usize| {
+            serving.iter().position(|&s| s == wi).map(|i| {
+                (
+                    i as u32,
+                    p.stages[i].range.clone(),
+                    p.stages[i].offloaded.clone(),
+                )
+            })
+        };
+        let mut changes = Vec::new();
+        for wi in 0..self.workers.len() {
+            let old = at(&self.serving, &self.plan, wi);
+            let new = at(serving, new_plan, wi);
+            let strip = |x: &Option<(u32, LayerRange, Vec<u32>)>| {
+                x.as_ref().map(|(_, r, o)| (r.clone(), o.clone()))
+            };
+            if strip(&old) != strip(&new) {
+                changes.push(Change {
+                    worker: wi,
+                    stage: new.as_ref().map_or(0, |n| n.0),
+                    old: strip(&old),
+                    new: strip(&new),
+                });
+            }
+        }
+        changes
+    }
+
+    /// Every worker that changes holds its old and its new stage at once
+    /// during the move: both within its budget.
+    fn check_both_fit(
+        &self,
+        changes: &[Change],
+        serving: &[usize],
+        new_plan: &Plan,
+    ) -> Result<(), Status> {
+        for c in changes {
+            let Some(i) = serving.iter().position(|&s| s == c.worker) else {
+                continue;
+            };
+            let w = &self.workers[c.worker];
+            let old = if c.old.is_some() {
+                let (a, b, c) = w.stage_bytes;
+                a + b + c
+            } else {
+                0
+            };
+            let new = new_plan.stages[i].bytes.total;
+            let budget = new_plan.stages[i].bytes.budget;
+            if old + new > budget {
+                return Err(Status::from(Error::refused(format!(
+                    "during the move worker {} holds its old and its new stage at once: {} + {} = {}, more than its {} usable ({} free, {:.0}% headroom); move fewer layers at a time",
+                    w.reg.id,
+                    fmt_bytes(old),
+                    fmt_bytes(new),
+                    fmt_bytes(old + new),
+                    fmt_bytes(budget),
+                    fmt_bytes(w.spec.free_bytes),
+                    self.setup.pcfg.headroom * 100.0
+                ))));
+            }
+        }
+        Ok(())
+    }
+
+    /// Has every changing worker load its new range beside the old one
+    /// (all at once, while serving); the new stages' bytes per worker.
+    async fn prepare(&self, changes: &[Change]) -> Result<Vec<(usize, (u64, u64, u64))>, String> {
+        let mut prepares = Vec::new();
+        for c in changes {
+            let Some((range, off)) = &c.new else { continue };
+            let req = PrepareRequest {
+                embed: range.embed,
+                layer_start: range.layers.start,
+                layer_end: range.layers.end,
+                head: range.head,
+                offloaded: off.clone(),
+                stage: c.stage,
+            };
+            let (id, addr) = self.addr(c.worker);
+            prepares.push((
+                c.worker,
+                tokio::spawn(async move {
+                    let mut cl = client(&addr, PREPARE_TIMEOUT).await?;
+                    cl.prepare(req).await.map(|r| r.into_inner()).map_err(|s| {
+                        format!("worker {id} could not load its new range: {}", s.message())
+                    })
+                }),
+            ));
+        }
+        let mut stage_bytes = Vec::new();
+        let mut failed = None;
+        for (wi, p) in prepares {
+            match p.await.map_err(|e| e.to_string()).and_then(|r| r) {
+                Ok(r) => stage_bytes.push((wi, (r.weight_bytes, r.kv_bytes, r.compute_bytes))),
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(stage_bytes),
+        }
     }
 
     pub(crate) fn addr(&self, wi: usize) -> (String, String) {
@@ -876,7 +906,8 @@ fn counts_of(p: &Plan) -> Vec<u32> {
 pub(crate) fn plan_reply(p: &Plan) -> Result<PlanReply, Status> {
     Ok(PlanReply {
         text: p.to_string(),
-        json: serde_json::to_string_pretty(p).map_err(|e| Status::internal(e.to_string()))?,
+        json: serde_json::to_string_pretty(p)
+            .map_err(|e| Status::from(Error::internal(e.to_string())))?,
     })
 }
 

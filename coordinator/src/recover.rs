@@ -29,11 +29,12 @@
 
 use crate::admin::AdminState;
 use crate::migrate::{client, offloaded_layers, Live, CALL_TIMEOUT, PREPARE_TIMEOUT};
+use crate::plan::Plan;
 use crate::scheduler::{Event, RecoveryNeeded};
 use crate::Registered;
 use omni_proto::coordinator::v1::{InfoReply, WorkerKind};
 use omni_proto::worker::v1::{
-    experts_client::ExpertsClient, LoadExpertsRequest, LoadRequest, ResetRequest,
+    experts_client::ExpertsClient, LoadExpertsRequest, LoadRequest, ResetRequest, StatusReply,
 };
 use omni_transport::Outbox;
 use std::collections::HashMap;
@@ -199,6 +200,44 @@ impl Live {
                 info.worker_addr = a;
             }
         }
+        let (running, dead) = self.probe().await?;
+        let mut done = Vec::new();
+        let (serving, plan) = match dead.first() {
+            None => (self.serving.clone(), self.plan.clone()),
+            Some((_, why)) if !replan => return Err(why.clone()),
+            Some(_) => {
+                let (serving, plan, note) = self.replan_without(&dead)?;
+                done.push(note);
+                (serving, plan)
+            }
+        };
+
+        // 2. Load what does not run its planned range, and restarted
+        // expert workers' experts; then reset every stage.
+        self.reload(&serving, &plan, &running, &rejoined, &mut done)
+            .await?;
+        self.reset(&serving, fence).await?;
+
+        // 3. A new pipeline: every link and every expert route again.
+        self.links.clear();
+        self.wired.clear();
+        let outbox = self.rewire(&serving, &plan).await?;
+        self.serving = serving;
+        self.plan = plan;
+        let mut r = recovery.rejoined.lock().unwrap();
+        for id in rejoined.keys() {
+            r.remove(id);
+        }
+        if done.is_empty() {
+            done.push("every worker kept its layers".into());
+        }
+        Ok((outbox, done.join("; ")))
+    }
+
+    /// Which serving workers answer (with their status), and why each of
+    /// the others is taken for dead; an error if an expert worker does not
+    /// answer (its experts cannot move).
+    async fn probe(&self) -> Result<(HashMap<usize, StatusReply>, Vec<(usize, String)>), String> {
         let mut running = HashMap::new();
         let mut dead = Vec::new();
         for &wi in &self.serving {
@@ -218,55 +257,66 @@ impl Live {
                 ));
             }
         }
-        let mut done = Vec::new();
-        let (serving, plan) = match dead.first() {
-            None => (self.serving.clone(), self.plan.clone()),
-            Some((_, why)) if !replan => return Err(why.clone()),
-            Some(_) => {
-                let gone: Vec<usize> = dead.iter().map(|d| d.0).collect();
-                let names: Vec<String> = gone.iter().map(|&w| self.addr(w).0).collect();
-                let serving: Vec<usize> = self
-                    .serving
-                    .iter()
-                    .copied()
-                    .filter(|w| !gone.contains(w))
-                    .collect();
-                if serving.is_empty() {
-                    return Err(dead[0].1.clone());
-                }
-                let plan = self.plan_for(&serving, None).map_err(|s| {
-                    format!(
-                        "{}, and the other workers cannot take its layers: {}",
-                        dead[0].1,
-                        s.message()
-                    )
-                })?;
-                // Where the experts are, not the numbers beside them (a
-                // budget shared with the lost worker's host changes).
-                let placed = |p: &crate::plan::Plan| -> Vec<(String, Vec<u32>)> {
-                    p.experts
-                        .iter()
-                        .map(|e| (e.worker.clone(), e.layers.clone()))
-                        .collect()
-                };
-                if offloaded_layers(&plan) != offloaded_layers(&self.plan)
-                    || placed(&plan) != placed(&self.plan)
-                {
-                    return Err(format!(
-                        "{}, and without it the experts would have to move",
-                        dead[0].1
-                    ));
-                }
-                done.push(format!(
-                    "left out {} (no answer) and planned again over the others",
-                    names.join(", ")
-                ));
-                (serving, plan)
-            }
-        };
+        Ok((running, dead))
+    }
 
-        // 2. Load what does not run its planned range, and restarted
-        // expert workers' experts; then reset every stage.
+    /// A plan over the serving workers without the dead ones, if they can
+    /// take the layers and the experts stay where they are; and the note.
+    fn replan_without(
+        &self,
+        dead: &[(usize, String)],
+    ) -> Result<(Vec<usize>, Plan, String), String> {
+        let gone: Vec<usize> = dead.iter().map(|d| d.0).collect();
+        let names: Vec<String> = gone.iter().map(|&w| self.addr(w).0).collect();
+        let serving: Vec<usize> = self
+            .serving
+            .iter()
+            .copied()
+            .filter(|w| !gone.contains(w))
+            .collect();
+        if serving.is_empty() {
+            return Err(dead[0].1.clone());
+        }
+        let plan = self.plan_for(&serving, None).map_err(|s| {
+            format!(
+                "{}, and the other workers cannot take its layers: {}",
+                dead[0].1,
+                s.message()
+            )
+        })?;
+        // Where the experts are, not the numbers beside them (a
+        // budget shared with the lost worker's host changes).
+        let placed = |p: &crate::plan::Plan| -> Vec<(String, Vec<u32>)> {
+            p.experts
+                .iter()
+                .map(|e| (e.worker.clone(), e.layers.clone()))
+                .collect()
+        };
+        if offloaded_layers(&plan) != offloaded_layers(&self.plan)
+            || placed(&plan) != placed(&self.plan)
+        {
+            return Err(format!(
+                "{}, and without it the experts would have to move",
+                dead[0].1
+            ));
+        }
+        let note = format!(
+            "left out {} (no answer) and planned again over the others",
+            names.join(", ")
+        );
+        Ok((serving, plan, note))
+    }
+
+    /// Loads what does not run its planned range, and restarted expert
+    /// workers' experts, noting each in `done`.
+    async fn reload(
+        &mut self,
+        serving: &[usize],
+        plan: &Plan,
+        running: &HashMap<usize, StatusReply>,
+        rejoined: &HashMap<String, Registered>,
+        done: &mut Vec<String>,
+    ) -> Result<(), String> {
         let mut loads = tokio::task::JoinSet::new();
         for (i, &wi) in serving.iter().enumerate() {
             let st = &plan.stages[i];
@@ -344,8 +394,13 @@ impl Live {
         for (wi, bytes) in loaded {
             self.workers[wi].stage_bytes = bytes;
         }
+        Ok(())
+    }
+
+    /// Resets every serving stage to the recovery's fence.
+    async fn reset(&self, serving: &[usize], fence: u64) -> Result<(), String> {
         let mut resets = tokio::task::JoinSet::new();
-        for &wi in &serving {
+        for &wi in serving {
             let (id, addr) = self.addr(wi);
             resets.spawn(async move {
                 client(&addr, CALL_TIMEOUT)
@@ -360,20 +415,7 @@ impl Live {
             r.map_err(|e| e.to_string())??;
         }
 
-        // 3. A new pipeline: every link and every expert route again.
-        self.links.clear();
-        self.wired.clear();
-        let outbox = self.rewire(&serving, &plan).await?;
-        self.serving = serving;
-        self.plan = plan;
-        let mut r = recovery.rejoined.lock().unwrap();
-        for id in rejoined.keys() {
-            r.remove(id);
-        }
-        if done.is_empty() {
-            done.push("every worker kept its layers".into());
-        }
-        Ok((outbox, done.join("; ")))
+        Ok(())
     }
 }
 

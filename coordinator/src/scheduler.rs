@@ -30,6 +30,7 @@
 //! are told apart by their id (the fence) and ignored, here and on every
 //! stage.
 
+use crate::error::Error;
 use crate::metrics::Metrics;
 use crossbeam_channel::Receiver;
 use omni_engine::sampling::{SamplingParams, StopMatcher};
@@ -279,9 +280,7 @@ impl Scheduler {
         match ev {
             Event::New(s) => {
                 if let Some(why) = self.failed.as_ref().or(self.gave_up.as_ref()) {
-                    s.fail(Status::unavailable(format!(
-                        "the cluster cannot serve: {why}"
-                    )));
+                    s.fail(Error::Stopped(format!("the cluster cannot serve: {why}")).into());
                     return;
                 }
                 if self.queue.len() >= self.cfg.max_queue {
@@ -289,10 +288,13 @@ impl Scheduler {
                         Some(why) => format!("the cluster is recovering ({why}) and "),
                         None => String::new(),
                     };
-                    s.fail(Status::unavailable(format!(
-                        "{state}{} requests are already waiting, the most this coordinator queues; retry later",
-                        self.queue.len()
-                    )));
+                    s.fail(
+                        Error::Busy(format!(
+                            "{state}{} requests are already waiting, the most this coordinator queues; retry later",
+                            self.queue.len()
+                        ))
+                        .into(),
+                    );
                     return;
                 }
                 self.queue.push_back(*s);
@@ -452,7 +454,7 @@ impl Scheduler {
                         "the request was stopped after {MAX_RECOVERIES} recoveries, the last because {why}"
                     ),
                 };
-                s.new.fail(Status::unavailable(msg));
+                s.new.fail(Error::Stopped(msg).into());
             }
             self.drop_seq(id);
         }
@@ -497,7 +499,7 @@ impl Scheduler {
     /// Ends every running and queued request with `why` (their slots are
     /// free again once the stages are reset, or never used again).
     fn stop_every_request(&mut self, why: &str) {
-        let status = Status::unavailable(format!("{why}; the request was stopped"));
+        let status: Status = Error::Stopped(format!("{why}; the request was stopped")).into();
         for (_, s) in self.seqs.drain() {
             s.new.fail(status.clone());
         }
@@ -980,7 +982,7 @@ struct Flight {
 fn seq_start(s: &Seq) -> SeqStart {
     SeqStart {
         slot: s.slot,
-        sampling_json: serde_json::to_vec(&s.new.params).expect("serializable"),
+        sampling: Some(omni_proto::sampling::sampling(&s.new.params)),
         top_logprobs: s.new.top_logprobs,
         logprobs: s.new.logprobs,
         prompt_len: s.new.prompt.len() as u32,

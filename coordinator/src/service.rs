@@ -3,6 +3,7 @@
 //! bad request is refused with INVALID_ARGUMENT before it reaches the
 //! scheduler.
 
+use crate::error::Error;
 use crate::scheduler::{Event, NewSeq};
 use crate::{Registered, Shared};
 use omni_engine::sampling::{Grammar, SamplingParams};
@@ -27,19 +28,28 @@ impl registry_server::Registry for RegistrySvc {
     ) -> Result<Response<RegisterReply>, Status> {
         let r = req.into_inner();
         if r.worker_id.is_empty() || r.grpc_addr.is_empty() {
-            return Err(Status::invalid_argument(
+            return Err(Error::invalid(
+                if r.worker_id.is_empty() {
+                    "worker_id"
+                } else {
+                    "grpc_addr"
+                },
                 "a registration needs worker_id and grpc_addr",
-            ));
+            )
+            .into());
         }
         let kind = WorkerKind::try_from(r.kind).map_err(|_| {
-            Status::invalid_argument(format!(
-                "worker {} registered as kind {}, which this coordinator does not know",
-                r.worker_id, r.kind
-            ))
+            Error::invalid(
+                "kind",
+                format!(
+                    "worker {} registered as kind {}, which this coordinator does not know",
+                    r.worker_id, r.kind
+                ),
+            )
         })?;
         let inventory = r
             .inventory
-            .ok_or_else(|| Status::invalid_argument("a registration needs the inventory"))?;
+            .ok_or_else(|| Error::invalid("inventory", "a registration needs the inventory"))?;
         let last_exit = r.last_exit;
         let w = Registered {
             id: r.worker_id,
@@ -52,7 +62,7 @@ impl registry_server::Registry for RegistrySvc {
             // restarted, so whatever it held is gone).
             let (id, addr) = (w.id.clone(), w.addr.clone());
             self.0.recovery.rejoin(w).map_err(|why| {
-                Status::failed_precondition(format!(
+                Error::Unsupported(format!(
                     "{why}; registered after the plan was made, and this coordinator expects {} worker(s) and {} expert worker(s)",
                     self.0.cfg.workers, self.0.cfg.cpu_workers
                 ))
@@ -81,7 +91,7 @@ impl registry_server::Registry for RegistrySvc {
         self.0
             .registrations
             .send(w)
-            .map_err(|_| Status::unavailable("the coordinator is shutting down"))?;
+            .map_err(|_| Error::NotReady("the coordinator is shutting down".into()))?;
         Ok(Response::new(RegisterReply {
             model_path: self.0.cfg.model.display().to_string(),
             instance: self.0.info.lock().unwrap().instance.clone(),
@@ -137,7 +147,7 @@ impl inference_server::Inference for InferenceSvc {
         let arrived = Instant::now();
         let shared = &self.0;
         let events = shared.events.lock().unwrap().clone().ok_or_else(|| {
-            Status::unavailable(format!(
+            Error::NotReady(format!(
                 "the cluster is not ready yet ({})",
                 shared.info.lock().unwrap().state
             ))
@@ -153,27 +163,32 @@ impl inference_server::Inference for InferenceSvc {
         let max_tokens = match r.max_tokens {
             None => n_ctx.saturating_sub(prompt.len()),
             Some(0) => {
-                return Err(Status::invalid_argument(
+                return Err(Error::invalid(
+                    "max_tokens",
                     "max_tokens is 0 but must be at least 1 (leave it out to generate until the context is full)",
-                ))
+                )
+                .into())
             }
             Some(n) => n as usize,
         };
         if prompt.is_empty() {
-            return Err(Status::invalid_argument("the prompt is empty"));
+            return Err(Error::invalid("prompt", "the prompt is empty").into());
         }
         if prompt.len() >= n_ctx {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::PromptTooLong(format!(
                 "the prompt has {} tokens but the context is {n_ctx} tokens",
                 prompt.len()
-            )));
+            ))
+            .into());
         }
         let max_tokens = max_tokens.min(n_ctx - prompt.len());
         let n_vocab = shared.tokenizer.n_vocab();
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(Status::invalid_argument(format!(
-                "token id {bad} is outside the vocabulary of {n_vocab} tokens"
-            )));
+            return Err(Error::invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary of {n_vocab} tokens"),
+            )
+            .into());
         }
         let mut params = sampling_params(r.sampling.as_ref())?;
         let (tool_grammar, calls) = chat.map_or((None, None), |c| (c.grammar, c.calls));
@@ -183,14 +198,17 @@ impl inference_server::Inference for InferenceSvc {
             // answer, and a call is still read from it if it makes one.
             (Some(Grammar::Triggered { .. }), Some(_)) | (None, _) => {}
             (Some(_), Some(_)) => {
-                return Err(Status::invalid_argument(
+                return Err(Error::invalid(
+                    "chat.tool_choice",
                     "invalid grammar: tool_choice forces a tool call and response_format constrains the answer; give one of them",
-                ))
+                )
+                .into())
             }
         }
-        params
-            .validate(n_vocab)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        params.validate(n_vocab).map_err(|e| {
+            let omni_engine::sampling::SamplingError::InvalidParam { field, .. } = &e;
+            Error::invalid(format!("sampling.{field}"), e.to_string())
+        })?;
         if let Some(g) = params.grammar.clone() {
             // Compiled here once so that a bad schema or grammar is refused
             // by name before the request takes a slot; the last stage
@@ -198,13 +216,17 @@ impl inference_server::Inference for InferenceSvc {
             let shared = shared.clone();
             tokio::task::spawn_blocking(move || shared.check_grammar(&g))
                 .await
-                .map_err(|e| Status::internal(format!("the grammar check failed: {e}")))??;
+                .map_err(|e| Error::Internal(format!("the grammar check failed: {e}")))??;
         }
         if r.top_logprobs > 20 {
-            return Err(Status::invalid_argument(format!(
-                "top_logprobs is {} but at most 20 are allowed",
-                r.top_logprobs
-            )));
+            return Err(Error::invalid(
+                "top_logprobs",
+                format!(
+                    "top_logprobs is {} but at most 20 are allowed",
+                    r.top_logprobs
+                ),
+            )
+            .into());
         }
         let id = shared.next_seq.fetch_add(1, Ordering::Relaxed);
         let request_id = if r.request_id.is_empty() {
@@ -259,7 +281,7 @@ impl inference_server::Inference for InferenceSvc {
                 span,
                 traceparent,
             })))
-            .map_err(|_| Status::unavailable("the scheduler has stopped"))?;
+            .map_err(|_| Error::NotReady("the scheduler has stopped".into()))?;
         Ok(Response::new(stream))
     }
 
@@ -285,26 +307,27 @@ impl InferenceSvc {
     fn prompt_ids(
         &self,
         r: &GenerateRequest,
-    ) -> Result<(Vec<u32>, Option<crate::tools::RenderedChat>), Status> {
+    ) -> Result<(Vec<u32>, Option<crate::tools::RenderedChat>), Error> {
         let shared = &self.0;
         let encode = |t: &str, special: bool| {
             shared
                 .tokenizer
                 .encode(t, true, special)
-                .map_err(|e| Status::invalid_argument(e.to_string()))
+                .map_err(|e| Error::invalid("prompt", e.to_string()))
         };
         match &r.prompt {
-            None => Err(Status::invalid_argument(
+            None => Err(Error::invalid(
+                "prompt",
                 "a request needs a prompt: text, ids or chat",
             )),
             Some(Prompt::Ids(ids)) => Ok((ids.ids.clone(), None)),
             Some(Prompt::Text(t)) => Ok((encode(t, false)?, None)),
             Some(Prompt::Chat(c)) => {
                 let template = shared.template.as_ref().ok_or_else(|| {
-                    Status::failed_precondition("this model has no usable chat template")
+                    Error::Unsupported("this model has no usable chat template".into())
                 })?;
                 if c.messages.is_empty() {
-                    return Err(Status::invalid_argument("chat messages are empty"));
+                    return Err(Error::invalid("chat.messages", "chat messages are empty"));
                 }
                 let chat = crate::tools::render(c, template, &shared.tokenizer)?;
                 Ok((encode(&chat.text, true)?, Some(chat)))
@@ -313,51 +336,9 @@ impl InferenceSvc {
     }
 }
 
-/// The request's sampling settings; absent means greedy.
-fn sampling_params(s: Option<&Sampling>) -> Result<SamplingParams, Status> {
-    let Some(s) = s else {
-        return Ok(SamplingParams::default());
-    };
-    let d = SamplingParams::default();
-    Ok(SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: if s.top_p == 0.0 { d.top_p } else { s.top_p },
-        min_p: s.min_p,
-        repeat_penalty: if s.repeat_penalty == 0.0 {
-            d.repeat_penalty
-        } else {
-            s.repeat_penalty
-        },
-        repeat_last_n: if s.repeat_last_n == 0 {
-            d.repeat_last_n
-        } else {
-            s.repeat_last_n as usize
-        },
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
-        seed: s.seed,
-        grammar: s.grammar.as_ref().map(grammar).transpose()?,
-    })
-}
-
-/// The wire's grammar as the engine takes it; a schema that is not JSON is
-/// refused here (what it says is checked by [`Shared::check_grammar`]).
-fn grammar(g: &omni_proto::worker::v1::Grammar) -> Result<Grammar, Status> {
-    use omni_proto::worker::v1::grammar::Kind;
-    match &g.kind {
-        None => Err(Status::invalid_argument(
-            "invalid grammar: it names no kind (json_object, json_schema or lark)",
-        )),
-        Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
-        Some(Kind::JsonSchema(text)) => serde_json::from_str(text)
-            .map(|schema| Grammar::JsonSchema { schema })
-            .map_err(|e| {
-                Status::invalid_argument(format!("invalid JSON schema: it is not JSON: {e}"))
-            }),
-        Some(Kind::Lark(grammar)) => Ok(Grammar::Lark {
-            grammar: grammar.clone(),
-        }),
-    }
+/// The request's sampling settings; absent means greedy. A grammar that is
+/// not one is refused naming its field.
+fn sampling_params(s: Option<&Sampling>) -> Result<SamplingParams, Error> {
+    omni_proto::sampling::params(s)
+        .map_err(|e| Error::invalid(format!("sampling.{}", e.field), e.message))
 }

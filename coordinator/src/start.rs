@@ -22,10 +22,13 @@ use omni_engine::model::ModelFile;
 use omni_engine::tokenizer::Tokenizer;
 
 use crate::scheduler::{Event, RecoveryNeeded, SchedulerConfig};
+use crate::service;
 use crate::{
     admin, channel, migrate, pipeline, recover, watch_worker, worker_client, CoordinatorConfig,
     Registered, Shared,
 };
+use omni_proto::coordinator::v1::{inference_server, registry_server};
+use omni_transport::Inbox;
 
 /// Waits until `--workers` stage workers and `--cpu-workers` expert workers
 /// have registered, or `--register-timeout` passes (an error naming who
@@ -495,4 +498,53 @@ pub(crate) fn live_setup(
             ..Default::default()
         },
     }
+}
+
+/// Says where the coordinator listens and what it waits for.
+pub(crate) fn log_listening(
+    cfg: &CoordinatorConfig,
+    model: &ModelFile,
+    local: std::net::SocketAddr,
+) {
+    tracing::info!(
+        "coordinator listening on {local}; model {} ({}, {} layers); waiting for {} worker(s){}",
+        cfg.model.display(),
+        model.hparams.arch.name(),
+        model.hparams.n_layer,
+        cfg.workers,
+        if cfg.cpu_workers > 0 {
+            format!(" and {} expert worker(s)", cfg.cpu_workers)
+        } else {
+            String::new()
+        }
+    );
+}
+
+/// Serves Registry, Inference (NOT_SERVING until the cluster is up), the
+/// results sink and gRPC health on `listener`; the health reporter and the
+/// server's task.
+pub(crate) async fn serve_inference(
+    listener: tokio::net::TcpListener,
+    shared: &Arc<Shared>,
+    inbox: &Inbox,
+) -> (
+    tonic_health::server::HealthReporter,
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_not_serving::<inference_server::InferenceServer<service::InferenceSvc>>()
+        .await;
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(registry_server::RegistryServer::new(service::RegistrySvc(
+            shared.clone(),
+        )))
+        .add_service(inference_server::InferenceServer::new(
+            service::InferenceSvc(shared.clone()),
+        ))
+        .add_service(inbox.sink_service())
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    (health_reporter, tokio::spawn(server))
 }

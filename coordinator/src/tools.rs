@@ -7,6 +7,7 @@
 
 use std::hash::{BuildHasher, Hasher};
 
+use crate::error::Error;
 use omni_engine::chat::{ChatMessage, ChatTemplate, ToolCall};
 use omni_engine::sampling::Grammar;
 use omni_engine::tokenizer::Tokenizer;
@@ -15,7 +16,6 @@ use omni_proto::coordinator::v1::{
     Chat, FinishReason, GenerateEvent, ToolCallOut, ToolChoice as WireChoice,
 };
 use serde_json::Value;
-use tonic::Status;
 
 /// A chat request rendered: the prompt text, and when tools are in play the
 /// grammar that forces a call (if any) and the parser for the answer.
@@ -31,18 +31,19 @@ pub fn render(
     chat: &Chat,
     template: &ChatTemplate,
     tok: &Tokenizer,
-) -> Result<RenderedChat, Status> {
-    let bad = Status::invalid_argument;
-    let tools_json: Option<Value> = if chat.tools_json.trim().is_empty() {
-        None
-    } else {
-        Some(
-            serde_json::from_str(&chat.tools_json)
-                .map_err(|e| bad(format!("tools is not JSON: {e}")))?,
-        )
-    };
+) -> Result<RenderedChat, Error> {
+    let tools_json: Option<Value> =
+        if chat.tools_json.trim().is_empty() {
+            None
+        } else {
+            Some(serde_json::from_str(&chat.tools_json).map_err(|e| {
+                Error::invalid("chat.tools_json", format!("tools is not JSON: {e}"))
+            })?)
+        };
     let tools = match &tools_json {
-        Some(v) => tools::parse_tools(v).map_err(bad)?,
+        Some(v) => tools::parse_tools(v).map_err(|e| {
+            Error::invalid(e.field.replacen("tools", "chat.tools_json", 1), e.message)
+        })?,
         None => Vec::new(),
     };
     let choice = match WireChoice::try_from(chat.tool_choice).unwrap_or(WireChoice::Auto) {
@@ -60,19 +61,25 @@ pub fn render(
     };
     match &choice {
         ToolChoice::Required if tools.is_empty() => {
-            return Err(bad(
-                "tool_choice is \"required\" but the request has no tools".into(),
+            return Err(Error::invalid(
+                "chat.tool_choice",
+                "tool_choice is \"required\" but the request has no tools",
             ))
         }
         ToolChoice::Function(name) if !tools.iter().any(|t| &t.name == name) => {
-            return Err(bad(if tools.is_empty() {
-                format!("tool_choice names the function \"{name}\" but the request has no tools")
-            } else {
-                format!(
+            return Err(Error::invalid(
+                "chat.tool_choice_function",
+                if tools.is_empty() {
+                    format!(
+                        "tool_choice names the function \"{name}\" but the request has no tools"
+                    )
+                } else {
+                    format!(
                     "tool_choice names the function \"{name}\", which is not among the tools ({})",
                     names()
                 )
-            }))
+                },
+            ))
         }
         _ => {}
     }
@@ -90,7 +97,7 @@ pub fn render(
         }
         template.render(&msgs, true)
     }
-    .map_err(|e| bad(e.to_string()))?;
+    .map_err(|e| Error::invalid("chat.messages", e.to_string()))?;
     if !active {
         return Ok(RenderedChat {
             text,
@@ -115,7 +122,7 @@ pub fn render(
 
 /// The wire's messages as the template takes them; earlier calls'
 /// arguments are parsed (templates print them as objects).
-fn messages(chat: &Chat) -> Result<Vec<ChatMessage>, Status> {
+fn messages(chat: &Chat) -> Result<Vec<ChatMessage>, Error> {
     chat.messages
         .iter()
         .enumerate()
@@ -129,9 +136,10 @@ fn messages(chat: &Chat) -> Result<Vec<ChatMessage>, Status> {
                         Value::Object(Default::default())
                     } else {
                         serde_json::from_str(&c.arguments).map_err(|e| {
-                            Status::invalid_argument(format!(
-                                "messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}"
-                            ))
+                            Error::invalid(
+                                format!("chat.messages[{i}].tool_calls[{j}].arguments"),
+                                format!("messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}"),
+                            )
                         })?
                     };
                     Ok(ToolCall {
@@ -140,7 +148,7 @@ fn messages(chat: &Chat) -> Result<Vec<ChatMessage>, Status> {
                         arguments,
                     })
                 })
-                .collect::<Result<Vec<_>, Status>>()?;
+                .collect::<Result<Vec<_>, Error>>()?;
             Ok(ChatMessage {
                 role: m.role.clone(),
                 content: m.content.clone(),

@@ -9,6 +9,7 @@
 //! answers back, so calls from several stages are computed one at a time,
 //! each with every core of the node.
 
+use crate::error::ExpertsError;
 use crate::numa::Binding;
 use omni_engine::{ExpertConfig, ExpertStage, ModelFile};
 use omni_proto::coordinator::v1::WorkerKind;
@@ -256,7 +257,10 @@ impl Worker {
     fn load(&self, req: LoadExpertsRequest) -> Result<LoadExpertsReply, Status> {
         let t = Instant::now();
         let fail = |e: &dyn std::fmt::Display| {
-            Status::failed_precondition(format!("expert worker {}: {e}", self.id))
+            Status::from(ExpertsError::refused(format!(
+                "expert worker {}: {e}",
+                self.id
+            )))
         };
         // Free the previous experts first, so their memory is there for the new ones.
         *self.loaded.lock().unwrap() = None;
@@ -292,7 +296,7 @@ impl Worker {
         std::thread::Builder::new()
             .name("experts".into())
             .spawn(move || compute_loop(stage, n_embd, rx, stats))
-            .map_err(|e| Status::internal(e.to_string()))?;
+            .map_err(|e| Status::from(ExpertsError::internal(e.to_string())))?;
         *self.loaded.lock().unwrap() = Some(Loaded {
             jobs: tx,
             ring: ring_bytes(n_ubatch, n_embd, n_used),
@@ -435,7 +439,7 @@ impl experts_server::Experts for Svc {
         let req = req.into_inner();
         tokio::task::spawn_blocking(move || w.load(req))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| Status::from(ExpertsError::internal(e.to_string())))?
             .map(Response::new)
     }
 
@@ -445,9 +449,11 @@ impl experts_server::Experts for Svc {
     ) -> Result<Response<OpenShmReply>, Status> {
         let req = req.into_inner();
         let w = self.0.clone();
-        let reply = req
-            .reply
-            .ok_or_else(|| Status::invalid_argument("OpenShm needs the caller's reply ring"))?;
+        let reply = req.reply.ok_or_else(|| {
+            Status::from(ExpertsError::bad_request(
+                "OpenShm needs the caller's reply ring",
+            ))
+        })?;
         let ring = w
             .loaded
             .lock()
@@ -455,12 +461,15 @@ impl experts_server::Experts for Svc {
             .as_ref()
             .map(|l| l.ring)
             .ok_or_else(|| {
-                Status::failed_precondition(format!("expert worker {} has no experts loaded", w.id))
+                Status::from(ExpertsError::refused(format!(
+                    "expert worker {} has no experts loaded",
+                    w.id
+                )))
             })?;
         let n = w.sessions.fetch_add(1, Ordering::Relaxed);
         let name = format!("omni-{}-{}-session-{n}", w.id, std::process::id());
         let (mut rx, mut tx, ep) = accept_shm(&reply, &w.cfg.shm_dir, &name, ring)
-            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+            .map_err(|e| Status::from(ExpertsError::refused(e.to_string())))?;
         let client = req.client;
         tracing::info!("{client} computes experts here over shared memory ({name})");
         let stop = w.stop.clone();
@@ -492,7 +501,7 @@ impl experts_server::Experts for Svc {
                 }
                 tracing::info!("expert session of {client} ended");
             })
-            .map_err(|e| Status::internal(e.to_string()))?;
+            .map_err(|e| Status::from(ExpertsError::internal(e.to_string())))?;
         Ok(Response::new(OpenShmReply { requests: Some(ep) }))
     }
 

@@ -104,40 +104,66 @@ pub enum ToolChoice {
     Function(String),
 }
 
+/// A `tools` array that cannot be used: the JSON path of the entry at fault
+/// (`tools[1].function.name`) and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ToolsError {
+    pub field: String,
+    pub message: String,
+}
+
+fn tools_error(field: String, message: String) -> ToolsError {
+    ToolsError { field, message }
+}
+
 /// Reads OpenAI's `tools` array (`[{"type": "function", "function": {"name",
 /// "description", "parameters"}}]`); the error says which entry is wrong.
-pub fn parse_tools(tools: &Value) -> Result<Vec<Tool>, String> {
+pub fn parse_tools(tools: &Value) -> Result<Vec<Tool>, ToolsError> {
     let list = tools.as_array().ok_or_else(|| {
-        "tools must be an array of {\"type\": \"function\", \"function\": {...}}".to_string()
+        tools_error(
+            "tools".into(),
+            "tools must be an array of {\"type\": \"function\", \"function\": {...}}".into(),
+        )
     })?;
     let mut out: Vec<Tool> = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
         let ty = t.get("type").and_then(Value::as_str).unwrap_or("function");
         if ty != "function" {
-            return Err(format!(
-                "tools[{i}].type is \"{ty}\" but only \"function\" tools are supported"
+            return Err(tools_error(
+                format!("tools[{i}].type"),
+                format!("tools[{i}].type is \"{ty}\" but only \"function\" tools are supported"),
             ));
         }
-        let f = t
-            .get("function")
-            .filter(|f| f.is_object())
-            .ok_or_else(|| format!("tools[{i}] has no `function` object"))?;
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            tools_error(
+                format!("tools[{i}]"),
+                format!("tools[{i}] has no `function` object"),
+            )
+        })?;
         let name = f
             .get("name")
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty())
-            .ok_or_else(|| format!("tools[{i}].function has no `name`"))?;
+            .ok_or_else(|| {
+                tools_error(
+                    format!("tools[{i}].function"),
+                    format!("tools[{i}].function has no `name`"),
+                )
+            })?;
         if out.iter().any(|o| o.name == name) {
-            return Err(format!(
-                "tools[{i}].function.name \"{name}\" is given twice"
+            return Err(tools_error(
+                format!("tools[{i}].function.name"),
+                format!("tools[{i}].function.name \"{name}\" is given twice"),
             ));
         }
         let parameters = match f.get("parameters") {
             None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
             Some(p) if p.is_object() => p.clone(),
             Some(_) => {
-                return Err(format!(
-                    "tools[{i}].function.parameters must be a JSON schema object"
+                return Err(tools_error(
+                    format!("tools[{i}].function.parameters"),
+                    format!("tools[{i}].function.parameters must be a JSON schema object"),
                 ))
             }
         };
@@ -1185,7 +1211,8 @@ mod tests {
             ),
         ] {
             let e = parse_tools(&bad).unwrap_err();
-            assert!(e.contains(says), "{bad}: {e}");
+            assert!(e.message.contains(says), "{bad}: {e}");
+            assert!(e.field.starts_with("tools"), "{bad}: {}", e.field);
         }
     }
 

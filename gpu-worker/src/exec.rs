@@ -813,7 +813,7 @@ impl StageRun {
         let head = stage.range().head;
         if head {
             for s in &step.starts {
-                let params: SamplingParams = serde_json::from_slice(&s.sampling_json)
+                let params = omni_proto::sampling::params(s.sampling.as_ref())
                     .map_err(|e| format!("bad sampling settings for slot {}: {e}", s.slot))?;
                 let start = SamplerStart {
                     logprobs: s.logprobs,

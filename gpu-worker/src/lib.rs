@@ -6,10 +6,12 @@
 //! thread runs every frame that arrives and streams the output straight to
 //! the next stage; the last stage samples and sends only tokens back.
 
+mod error;
 pub mod exec;
 pub mod experts;
 pub mod inventory;
 
+use error::WorkerError;
 use exec::{Exec, ExecStats, Phase};
 use experts::RemoteExperts;
 use omni_engine::model::ModelFile;
@@ -268,7 +270,7 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, Status> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?
 }
 
 #[tonic::async_trait]
@@ -285,9 +287,12 @@ impl worker_server::Worker for Svc {
             TransportChoice::from(Transport::try_from(req.transport).unwrap_or(Transport::Auto));
         let outbox = match &req.next {
             Some(next) => {
-                let o = Outbox::connect(next, choice)
-                    .await
-                    .map_err(|e| Status::unavailable(format!("worker {}: {e}", self.0.id)))?;
+                let o = Outbox::connect(next, choice).await.map_err(|e| {
+                    Status::from(WorkerError::unavailable(format!(
+                        "worker {}: {e}",
+                        self.0.id
+                    )))
+                })?;
                 tracing::info!("output goes to {} over {}", next.grpc_addr, o.kind());
                 Some(o)
             }
@@ -306,7 +311,12 @@ impl worker_server::Worker for Svc {
                 ring,
             )
             .await
-            .map_err(|e| Status::unavailable(format!("worker {}: {e}", self.0.id)))?;
+            .map_err(|e| {
+                Status::from(WorkerError::unavailable(format!(
+                    "worker {}: {e}",
+                    self.0.id
+                )))
+            })?;
             tracing::info!(
                 "the experts of layers {:?} run on {} ({}) over {}",
                 r.layers,
@@ -356,7 +366,7 @@ impl worker_server::Worker for Svc {
         let id = self.0.id.clone();
         let (kv, seqs) = blocking(move || {
             exec.export(req.layer_start..req.layer_end)
-                .map_err(|e| Status::failed_precondition(format!("worker {id}: {e}")))
+                .map_err(|e| Status::from(WorkerError::refused(format!("worker {id}: {e}"))))
         })
         .await?;
         let mut chunks = Vec::new();
@@ -371,7 +381,8 @@ impl worker_server::Worker for Svc {
             }
         }
         chunks.push(StateChunk {
-            seqs: serde_json::to_vec(&seqs).map_err(|e| Status::internal(e.to_string()))?,
+            seqs: serde_json::to_vec(&seqs)
+                .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?,
             ..Default::default()
         });
         Ok(Response::new(Box::pin(tokio_stream::iter(
@@ -399,18 +410,21 @@ impl worker_server::Worker for Svc {
             }
             if !c.kv.is_empty() {
                 kv.last_mut()
-                    .ok_or_else(|| Status::invalid_argument("KV bytes before a KV start"))?
+                    .ok_or_else(|| {
+                        Status::from(WorkerError::bad_request("KV bytes before a KV start"))
+                    })?
                     .extend_from_slice(&c.kv);
             }
             if !c.seqs.is_empty() {
                 seqs.push(
                     serde_json::from_slice::<exec::SeqState>(&c.seqs).map_err(|e| {
-                        Status::invalid_argument(format!("bad sequence state: {e}"))
+                        Status::from(WorkerError::bad_request(format!("bad sequence state: {e}")))
                     })?,
                 );
             }
         }
-        let h = header.ok_or_else(|| Status::invalid_argument("Switch needs a header first"))?;
+        let h = header
+            .ok_or_else(|| Status::from(WorkerError::bad_request("Switch needs a header first")))?;
         let kv_bytes_in = kv.iter().map(|k| k.len() as u64).sum();
         let w = self.0.clone();
         blocking(move || w.switch(h, kv, seqs)).await?;
@@ -509,7 +523,10 @@ impl worker_server::Worker for Svc {
 impl Worker {
     fn exec(&self) -> Result<Arc<Exec>, Status> {
         self.state.lock().unwrap().exec.clone().ok_or_else(|| {
-            Status::failed_precondition(format!("worker {} has loaded nothing", self.id))
+            Status::from(WorkerError::refused(format!(
+                "worker {} has loaded nothing",
+                self.id
+            )))
         })
     }
 
@@ -524,20 +541,23 @@ impl Worker {
         let (model, cfg) = {
             let mut st = self.state.lock().unwrap();
             if st.move_pending {
-                return Err(Status::failed_precondition(format!(
+                return Err(Status::from(WorkerError::refused(format!(
                     "worker {}: a move is pending (finish it first)",
                     self.id
-                )));
+                ))));
             }
             // A standby stage from an unfinished move is replaced.
             st.prepared = None;
             st.loaded.clone().ok_or_else(|| {
-                Status::failed_precondition(format!("worker {} has loaded nothing", self.id))
+                Status::from(WorkerError::refused(format!(
+                    "worker {} has loaded nothing",
+                    self.id
+                )))
             })?
         };
         tracing::info!("preparing {range} beside the running stage");
         let stage = Stage::load_offloaded(model, range.clone(), cfg, &req.offloaded)
-            .map_err(|e| Status::failed_precondition(format!("worker {}: {e}", self.id)))?;
+            .map_err(|e| Status::from(WorkerError::refused(format!("worker {}: {e}", self.id))))?;
         let reply = PrepareReply {
             weight_bytes: stage.weights().mapped_bytes + stage.weights().repacked_bytes,
             kv_bytes: stage.kv().allocated_bytes(),
@@ -558,7 +578,8 @@ impl Worker {
         kv: Vec<Vec<u8>>,
         seqs: Vec<exec::SeqState>,
     ) -> Result<(), Status> {
-        let bad = |e: String| Status::failed_precondition(format!("worker {}: {e}", self.id));
+        let bad =
+            |e: String| Status::from(WorkerError::refused(format!("worker {}: {e}", self.id)));
         let incoming = kv
             .iter()
             .map(|b| omni_engine::kv::KvLayers::from_bytes(b).map_err(|e| bad(e.to_string())))
@@ -614,9 +635,9 @@ impl Worker {
             st.exec.clone()
         };
         let range = match exec {
-            Some(e) => e
-                .finish(commit)
-                .map_err(|e| Status::internal(format!("worker {}: {e}", self.id)))?,
+            Some(e) => e.finish(commit).map_err(|e| {
+                Status::from(WorkerError::internal(format!("worker {}: {e}", self.id)))
+            })?,
             None => None,
         };
         let mut st = self.state.lock().unwrap();
@@ -647,11 +668,14 @@ impl Worker {
             st.exec.clone()
         };
         let exec = exec.ok_or_else(|| {
-            Status::failed_precondition(format!("worker {} has loaded nothing", self.id))
+            Status::from(WorkerError::refused(format!(
+                "worker {} has loaded nothing",
+                self.id
+            )))
         })?;
         let range = exec
             .reset(fence)
-            .map_err(|e| Status::internal(format!("worker {}: {e}", self.id)))?;
+            .map_err(|e| Status::from(WorkerError::internal(format!("worker {}: {e}", self.id))))?;
         self.state.lock().unwrap().range = range.clone();
         Ok(ResetReply {
             range: range.map(|r| r.to_string()).unwrap_or_default(),
@@ -793,8 +817,9 @@ impl Worker {
         tracing::info!("loading {range} of {}", req.model_path);
         // Drop a previous stage first, so its memory is free for the new one.
         self.state.lock().unwrap().exec = None;
-        let model = ModelFile::open(&req.model_path)
-            .map_err(|e| Status::invalid_argument(format!("worker {}: {e}", self.id)))?;
+        let model = ModelFile::open(&req.model_path).map_err(|e| {
+            Status::from(WorkerError::bad_request(format!("worker {}: {e}", self.id)))
+        })?;
         let cfg = StageConfig {
             kv: KvConfig {
                 n_ctx: req.n_ctx as usize,
@@ -805,7 +830,11 @@ impl Worker {
                 .cfg
                 .threads
                 .unwrap_or(self.inventory.cpu_cores as usize),
-            device: self.inventory.device.parse().map_err(Status::internal)?,
+            device: self
+                .inventory
+                .device
+                .parse()
+                .map_err(|e| Status::from(WorkerError::internal(e)))?,
             repack: true,
         };
         let n_embd = model.hparams.n_embd as usize;
@@ -816,7 +845,7 @@ impl Worker {
             .map_or(1, |m| m.n_expert_used as usize);
         let model_arc = model.clone();
         let stage = Stage::load_offloaded(model, range.clone(), cfg.clone(), &req.offloaded)
-            .map_err(|e| Status::failed_precondition(format!("worker {}: {e}", self.id)))?;
+            .map_err(|e| Status::from(WorkerError::refused(format!("worker {}: {e}", self.id))))?;
         if !req.offloaded.is_empty() {
             tracing::info!(
                 "the routed experts of layers {:?} are left to expert workers",

@@ -637,19 +637,25 @@ fn bad_tool_fields_and_deprecated_functions_are_400() {
         );
         assert!(e.message.contains(says), "{patch}: {}", e.message);
     }
-    // The coordinator's verdicts on tools name their fields.
-    for (msg, param) in [
+    // The coordinator's verdicts on tools name their fields (as it sends them).
+    for (field, msg, param) in [
         (
+            "chat.tool_choice_function",
             "tool_choice names the function \"x\", which is not among the tools (a)",
             "tool_choice",
         ),
-        ("tools[0].function has no `name`", "tools[0].function"),
         (
+            "chat.tools_json[0].function",
+            "tools[0].function has no `name`",
+            "tools[0].function",
+        ),
+        (
+            "chat.messages[1].tool_calls[0].arguments",
             "messages[1].tool_calls[0].function.arguments is not JSON: x",
             "messages[1].tool_calls[0].function.arguments",
         ),
     ] {
-        let e = from_status(&tonic::Status::invalid_argument(msg));
+        let e = from_status(&omni_proto::errors::invalid(field, msg));
         assert_eq!(e.param.as_deref(), Some(param), "{msg}");
     }
 }
@@ -752,11 +758,13 @@ fn bad_structured_output_fields_are_400_and_say_what_to_send() {
         }
     }
     // The coordinator's verdict on the schema itself names the field.
-    let e = omni_router::openai::from_status(&tonic::Status::invalid_argument(
+    let e = omni_router::openai::from_status(&omni_proto::errors::invalid(
+        "sampling.grammar.json_schema",
         "invalid JSON schema: unknown type \"integr\"",
     ));
     assert_eq!(e.param.as_deref(), Some("response_format"));
-    let e = omni_router::openai::from_status(&tonic::Status::invalid_argument(
+    let e = omni_router::openai::from_status(&omni_proto::errors::invalid(
+        "sampling.grammar.lark",
         "invalid Lark grammar: expecting rule",
     ));
     assert_eq!(e.param.as_deref(), Some("grammar"));
@@ -973,11 +981,17 @@ fn mid_stream_errors_are_sse_events() {
 
 #[test]
 fn coordinator_statuses_map_to_http() {
-    use tonic::Status;
-    let e = from_status(&Status::invalid_argument(
+    use omni_proto::errors::{invalid, status, Reason};
+    use tonic::{Code, Status};
+    // As the coordinator sends them: the field and the reason in the details.
+    let e = from_status(&status(
+        Code::InvalidArgument,
+        Reason::PromptTooLong,
+        Some("prompt"),
         "the prompt has 5000 tokens but the context is 4096 tokens",
     ));
     assert_eq!(e.status, 400);
+    assert_eq!(e.code, Some("context_length_exceeded"));
     assert_eq!(e.kind, "invalid_request_error");
     assert_eq!(
         e.message,
@@ -987,20 +1001,42 @@ fn coordinator_statuses_map_to_http() {
     assert_eq!(e.clone().in_chat().param.as_deref(), Some("messages"));
     assert_eq!(e.in_completions().param.as_deref(), Some("prompt"));
 
-    let e = from_status(&Status::invalid_argument(
+    let e = from_status(&invalid(
+        "sampling.logit_bias",
         "invalid sampling parameter logit_bias = token 300000: allowed token ids < 262144",
     ));
     assert_eq!((e.status, e.param.as_deref()), (400, Some("logit_bias")));
     assert_eq!(e.in_chat().param.as_deref(), Some("logit_bias"));
-    let e = from_status(&Status::invalid_argument(
+    let e = from_status(&invalid(
+        "top_logprobs",
         "top_logprobs is 25 but at most 20 are allowed",
     ));
     assert_eq!(e.clone().param.as_deref(), Some("top_logprobs"));
     assert_eq!(e.in_completions().param.as_deref(), Some("logprobs"));
-    let e = from_status(&Status::invalid_argument(
+    let e = from_status(&invalid(
+        "prompt",
         "token id 999999 is outside the vocabulary of 262144 tokens",
     ));
     assert_eq!(e.param.as_deref(), Some("prompt"));
+    // Chat fields: where the coordinator's request keeps them, where OpenAI's does.
+    for (field, param) in [
+        ("chat.tool_choice_function", "tool_choice"),
+        ("chat.tools_json", "tools"),
+        ("chat.messages", "messages"),
+        (
+            "chat.messages[2].tool_calls[0].arguments",
+            "messages[2].tool_calls[0].function.arguments",
+        ),
+        ("sampling.temperature", "temperature"),
+    ] {
+        assert_eq!(
+            from_status(&invalid(field, "x")).param.as_deref(),
+            Some(param)
+        );
+    }
+    // A message alone names no field, whatever it says.
+    let e = from_status(&Status::invalid_argument("the prompt is wrong"));
+    assert_eq!((e.status, e.param), (400, None));
 
     let e = from_status(&Status::failed_precondition(
         "this model has no usable chat template",

@@ -212,6 +212,40 @@ fn openai_api_end_to_end() {
         &json!({"model": "gemma", "prompt": long, "max_tokens": 4}),
     );
     err(st, &body, 400, "context");
+    // Errors the coordinator finds reach the client with OpenAI's `param` and
+    // `code`, read from the status's details (not from its wording).
+    let error_of =
+        |body: &str| -> Value { serde_json::from_str::<Value>(body).unwrap()["error"].clone() };
+    let e = error_of(&body);
+    assert_eq!(
+        (&e["param"], &e["code"]),
+        (&json!("prompt"), &json!("context_length_exceeded")),
+        "{body}"
+    );
+    let chat = |extra: Value| {
+        let mut req = json!({"model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+        req.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        post(a, "/v1/chat/completions", &req)
+    };
+    for (extra, param) in [
+        (
+            json!({"messages": [{"role": "user", "content": long}]}),
+            "messages",
+        ),
+        // The router cannot know the vocabulary: the coordinator checks ids.
+        (json!({"logit_bias": {"999999": 5}}), "logit_bias"),
+        // Well-formed for the router, refused when the coordinator compiles it.
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}),
+            "response_format",
+        ),
+    ] {
+        let (st, body) = chat(extra.clone());
+        assert_eq!(st, 400, "{extra}: {body}");
+        assert_eq!(error_of(&body)["param"], param, "{extra}: {body}");
+    }
 
     // Health, readiness, metrics.
     assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);

@@ -112,7 +112,14 @@ impl Harness {
                 // survive the switches too.
                 vec![SeqStart {
                     slot: 0,
-                    sampling_json: br#"{"temperature":0.8,"top_k":40,"seed":99,"repeat_penalty":1.1,"repeat_last_n":32}"#.to_vec(),
+                    sampling: Some(omni_proto::worker::v1::Sampling {
+                        temperature: 0.8,
+                        top_k: 40,
+                        seed: Some(99),
+                        repeat_penalty: 1.1,
+                        repeat_last_n: 32,
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }]
             } else {
