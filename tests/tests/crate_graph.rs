@@ -150,3 +150,73 @@ fn omnictl_uses_the_planner_not_the_coordinator() {
     assert!(omnictl.contains("omni-planner"), "{omnictl:?}");
     assert!(!omnictl.contains("omni-coordinator"), "{omnictl:?}");
 }
+
+/// Every file with `unsafe` code is one ARCHITECTURE.md names, and each block
+/// says why it is sound.
+#[test]
+fn unsafe_lives_only_where_architecture_md_says() {
+    const ALLOWED: &[&str] = &[
+        "engine/src/ffi/",
+        "engine/src/gguf.rs",
+        "engine/src/stage/weights.rs",
+        "transport/src/shm.rs",
+        "cpu-worker/src/numa.rs",
+        "telemetry/src/crash.rs",
+        "omnictl/src/main.rs",
+        "proto/build.rs",
+    ];
+    let root = workspace();
+    let arch = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    for a in ALLOWED {
+        assert!(
+            arch.contains(a.trim_end_matches('/')),
+            "ARCHITECTURE.md does not name {a}"
+        );
+    }
+    let mut files = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if p.is_dir() {
+                if !name.starts_with('.') && name != "target" && name != "fuzz" {
+                    dirs.push(p);
+                }
+            } else if name.ends_with(".rs") {
+                files.push(p);
+            }
+        }
+    }
+    assert!(files.len() > 50, "found only {} Rust files", files.len());
+    let mut wrong = Vec::new();
+    for f in files {
+        let rel = f
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        let text = std::fs::read_to_string(&f).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            let is_unsafe = ["unsafe {", "unsafe fn", "unsafe impl", "unsafe extern"]
+                .iter()
+                .any(|k| code.contains(k));
+            if !is_unsafe || rel == "tests/tests/crate_graph.rs" {
+                continue;
+            }
+            if !ALLOWED.iter().any(|a| rel.starts_with(a)) {
+                wrong.push(format!("{rel}:{}", i + 1));
+            }
+            // A block says why (an `unsafe fn`/`impl` may say it in its docs).
+            let said = lines[i.saturating_sub(8)..=i]
+                .iter()
+                .any(|l| l.contains("SAFETY") || l.contains("# Safety"));
+            if code.contains("unsafe {") && !said {
+                wrong.push(format!("{rel}:{} has no SAFETY line", i + 1));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "unsafe outside its places: {wrong:?}");
+}

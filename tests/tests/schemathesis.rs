@@ -38,7 +38,7 @@
 //!   `echo`, `suffix`, `best_of`, and conversations the model's chat template refuses.
 //!   `negative_data_rejection`, because the router reads `null` as an absent field, an empty
 //!   `tools` or `functions` as none, and ignores fields it does not use
-//!   (router/src/openai.rs), where the spec would want a 400; wrong values in the fields it
+//!   (router/src/openai/), where the spec would want a 400; wrong values in the fields it
 //!   uses are 400s, tested in router/tests/openai_types.rs. The stateful checks
 //!   (`use_after_free`, `ensure_resource_availability`, `object_level_authorization`): these
 //!   operations create no resources.

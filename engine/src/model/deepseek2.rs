@@ -124,47 +124,75 @@ pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineErr
             "the leading dense blocks need a positive FFN width".into(),
         );
     }
-    let mut n_expert_shared = 0;
-    if n_layer_dense_lead < hp.n_layer {
-        let mut moe = super::hparams::read_moe_hparams(g, arch, hp.n_layer, hp.n_ff)?;
-        n_expert_shared = g.get_u32(&k("expert_shared_count"))?;
-        if n_expert_shared == 0 {
-            return bad(
-                k("expert_shared_count"),
-                "deepseek2 MoE blocks need at least one shared expert".into(),
-            );
-        }
-        // The shared experts are one FFN `n_expert_shared` experts wide.
-        if moe.n_ff_exp.checked_mul(n_expert_shared).is_none() {
-            return bad(
-                k("expert_shared_count"),
-                format!(
-                    "{n_expert_shared} shared experts of width {} overflow a u32",
-                    moe.n_ff_exp
-                ),
-            );
-        }
-        // llama.cpp's default scale 0 means none, as our 1.
-        if let Some(s) = g.opt_f32(&k("expert_weights_scale"))? {
-            moe.weights_scale = if s == 0.0 { 1.0 } else { s };
-        }
-        moe.norm_weights = g.opt_bool(&k("expert_weights_norm"))?.unwrap_or(false);
-        moe.gating = match g.opt_u32(&k("expert_gating_func"))?.unwrap_or(0) {
-            // No key: DeepSeek V2/V2.5 files are softmax; llama.cpp makes an
-            // exception for GLM 4.7 Lite, known by its shape.
-            0 if matches!(hp.n_layer, 47 | 48) && hp.n_vocab == 154_880 => ExpertGating::Sigmoid,
-            0 | 1 => ExpertGating::Softmax,
-            2 => ExpertGating::Sigmoid,
-            other => {
-                return bad(
-                    k("expert_gating_func"),
-                    format!("gating function {other} is not supported (1: softmax, 2: sigmoid)"),
-                )
-            }
-        };
-        hp.moe = Some(moe);
-    }
+    let n_expert_shared = if n_layer_dense_lead < hp.n_layer {
+        read_experts(g, hp)?
+    } else {
+        0
+    };
+    yarn(g, hp, head_k)?;
 
+    hp.mla = Some(MlaHparams {
+        q_lora_rank,
+        kv_lora_rank,
+        n_embd_head_qk_nope: head_k - n_rot,
+        n_embd_head_qk_rope: n_rot,
+        n_embd_head_v: head_v,
+        absorbed,
+        n_layer_dense_lead,
+        n_expert_shared,
+    });
+    Ok(())
+}
+
+/// The routed and shared experts of the MoE blocks; the shared experts' count.
+fn read_experts(g: &Gguf, hp: &mut Hparams) -> Result<u32, EngineError> {
+    let arch = hp.arch;
+    let k = |s: &str| key(arch, s);
+    let bad = |key: String, why: String| Err(EngineError::BadHparam { key, why });
+    let mut moe = super::hparams::read_moe_hparams(g, arch, hp.n_layer, hp.n_ff)?;
+    let n_expert_shared = g.get_u32(&k("expert_shared_count"))?;
+    if n_expert_shared == 0 {
+        return bad(
+            k("expert_shared_count"),
+            "deepseek2 MoE blocks need at least one shared expert".into(),
+        );
+    }
+    // The shared experts are one FFN `n_expert_shared` experts wide.
+    if moe.n_ff_exp.checked_mul(n_expert_shared).is_none() {
+        return bad(
+            k("expert_shared_count"),
+            format!(
+                "{n_expert_shared} shared experts of width {} overflow a u32",
+                moe.n_ff_exp
+            ),
+        );
+    }
+    // llama.cpp's default scale 0 means none, as our 1.
+    if let Some(s) = g.opt_f32(&k("expert_weights_scale"))? {
+        moe.weights_scale = if s == 0.0 { 1.0 } else { s };
+    }
+    moe.norm_weights = g.opt_bool(&k("expert_weights_norm"))?.unwrap_or(false);
+    moe.gating = match g.opt_u32(&k("expert_gating_func"))?.unwrap_or(0) {
+        // No key: DeepSeek V2/V2.5 files are softmax; llama.cpp makes an
+        // exception for GLM 4.7 Lite, known by its shape.
+        0 if matches!(hp.n_layer, 47 | 48) && hp.n_vocab == 154_880 => ExpertGating::Sigmoid,
+        0 | 1 => ExpertGating::Softmax,
+        2 => ExpertGating::Sigmoid,
+        other => {
+            return bad(
+                k("expert_gating_func"),
+                format!("gating function {other} is not supported (1: softmax, 2: sigmoid)"),
+            )
+        }
+    };
+    hp.moe = Some(moe);
+    Ok(n_expert_shared)
+}
+
+/// YaRN as llama.cpp does it for deepseek2: the rope's attention factor and
+/// the attention scale.
+fn yarn(g: &Gguf, hp: &mut Hparams, head_k: u32) -> Result<(), EngineError> {
+    let k = |s: &str| key(hp.arch, s);
     // YaRN as llama.cpp does it for deepseek2 (llama-context.cpp and
     // models/deepseek2.cpp, [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]): the converter
     // writes 0.1 * mscale_all_dim as the log multiplier; the rope's own
@@ -196,17 +224,6 @@ pub(crate) fn adjust_hparams(g: &Gguf, hp: &mut Hparams) -> Result<(), EngineErr
     let attn_factor_org = attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln());
     let mscale = attn_factor_org * (1.0 + 0.1 * log_mul * (1.0 / freq_scale).ln());
     hp.attn_scale = mscale * mscale / (head_k as f32).sqrt();
-
-    hp.mla = Some(MlaHparams {
-        q_lora_rank,
-        kv_lora_rank,
-        n_embd_head_qk_nope: head_k - n_rot,
-        n_embd_head_qk_rope: n_rot,
-        n_embd_head_v: head_v,
-        absorbed,
-        n_layer_dense_lead,
-        n_expert_shared,
-    });
     Ok(())
 }
 

@@ -267,70 +267,7 @@ pub(crate) fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError>
     let rms_eps = g.get_f32(&k("attention.layer_norm_rms_epsilon"))?;
     let n_rot = g.opt_u32(&k("rope.dimension_count"))?.unwrap_or(head_dim_k);
     let rope_freq_base = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
-    let scaling = g
-        .opt_str(&k("rope.scaling.type"))?
-        .unwrap_or("linear")
-        .to_string();
-    let factor = match g.opt_f32(&k("rope.scaling.factor"))? {
-        Some(f) => Some(f),
-        None => g.opt_f32(&k("rope.scale_linear"))?,
-    };
-    let mut freq_scale = match factor {
-        Some(f) if f != 0.0 => 1.0 / f,
-        _ => 1.0,
-    };
-    let n_ctx_orig = g
-        .opt_u32(&k("rope.scaling.original_context_length"))?
-        .unwrap_or(n_ctx_train);
-    let (mut ext_factor, mut attn_factor) = (0.0f32, 1.0f32);
-    match scaling.as_str() {
-        "none" => freq_scale = 1.0,
-        "linear" => {}
-        "yarn" => {
-            // The same attention-factor correction llama.cpp applies (llama-context.cpp).
-            ext_factor = 1.0;
-            let factor = 1.0 / freq_scale;
-            let mscale = |scale: f32, m: f32| {
-                if scale <= 1.0 {
-                    1.0
-                } else {
-                    0.1 * m * scale.ln() + 1.0
-                }
-            };
-            let log_mul = g
-                .opt_f32(&k("rope.scaling.yarn_log_multiplier"))?
-                .unwrap_or(0.0);
-            attn_factor = if log_mul != 0.0 {
-                mscale(factor, 1.0) / mscale(factor, log_mul)
-            } else {
-                mscale(factor, 1.0)
-            };
-            attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
-        }
-        other => {
-            return Err(EngineError::BadHparam {
-                key: k("rope.scaling.type"),
-                why: format!("rope scaling '{other}' is not supported"),
-            })
-        }
-    }
-    let mode = match arch {
-        Arch::Llama | Arch::Deepseek2 => ROPE_NORM,
-        Arch::Qwen2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => ROPE_NEOX,
-    };
-    let rope = RopeParams {
-        n_dims: n_rot as i32,
-        mode,
-        n_ctx_orig: n_ctx_orig as i32,
-        freq_base: rope_freq_base,
-        freq_scale,
-        ext_factor,
-        attn_factor,
-        beta_fast: g
-            .opt_f32(&k("rope.scaling.yarn_beta_fast"))?
-            .unwrap_or(32.0),
-        beta_slow: g.opt_f32(&k("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
-    };
+    let rope = read_rope(g, arch, n_rot, rope_freq_base, n_ctx_train)?;
     let embd = g
         .tensor("token_embd.weight")
         .ok_or(EngineError::MissingTensor {
@@ -390,6 +327,83 @@ pub(crate) fn read_hparams(g: &Gguf, arch: Arch) -> Result<Hparams, EngineError>
         });
     }
     Ok(hp)
+}
+
+/// Rotary embedding settings: the rope mode of the architecture, the
+/// frequency base and scaling (linear or YaRN, with the attention-factor
+/// correction llama.cpp applies), from the `rope.*` keys.
+fn read_rope(
+    g: &Gguf,
+    arch: Arch,
+    n_rot: u32,
+    rope_freq_base: f32,
+    n_ctx_train: u32,
+) -> Result<RopeParams, EngineError> {
+    let k = |s: &str| key(arch, s);
+    let scaling = g
+        .opt_str(&k("rope.scaling.type"))?
+        .unwrap_or("linear")
+        .to_string();
+    let factor = match g.opt_f32(&k("rope.scaling.factor"))? {
+        Some(f) => Some(f),
+        None => g.opt_f32(&k("rope.scale_linear"))?,
+    };
+    let mut freq_scale = match factor {
+        Some(f) if f != 0.0 => 1.0 / f,
+        _ => 1.0,
+    };
+    let n_ctx_orig = g
+        .opt_u32(&k("rope.scaling.original_context_length"))?
+        .unwrap_or(n_ctx_train);
+    let (mut ext_factor, mut attn_factor) = (0.0f32, 1.0f32);
+    match scaling.as_str() {
+        "none" => freq_scale = 1.0,
+        "linear" => {}
+        "yarn" => {
+            // The same attention-factor correction llama.cpp applies (llama-context.cpp).
+            ext_factor = 1.0;
+            let factor = 1.0 / freq_scale;
+            let mscale = |scale: f32, m: f32| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let log_mul = g
+                .opt_f32(&k("rope.scaling.yarn_log_multiplier"))?
+                .unwrap_or(0.0);
+            attn_factor = if log_mul != 0.0 {
+                mscale(factor, 1.0) / mscale(factor, log_mul)
+            } else {
+                mscale(factor, 1.0)
+            };
+            attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
+        }
+        other => {
+            return Err(EngineError::BadHparam {
+                key: k("rope.scaling.type"),
+                why: format!("rope scaling '{other}' is not supported"),
+            })
+        }
+    }
+    let mode = match arch {
+        Arch::Llama | Arch::Deepseek2 => ROPE_NORM,
+        Arch::Qwen2 | Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe => ROPE_NEOX,
+    };
+    Ok(RopeParams {
+        n_dims: n_rot as i32,
+        mode,
+        n_ctx_orig: n_ctx_orig as i32,
+        freq_base: rope_freq_base,
+        freq_scale,
+        ext_factor,
+        attn_factor,
+        beta_fast: g
+            .opt_f32(&k("rope.scaling.yarn_beta_fast"))?
+            .unwrap_or(32.0),
+        beta_slow: g.opt_f32(&k("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
+    })
 }
 
 /// An upper bound of the nodes in one step's graph of the whole model, so

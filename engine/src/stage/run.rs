@@ -1,7 +1,7 @@
 //! Running a step: [`Stage::forward`] builds the step's graph segments,
 //! computes them, and between segments hands offloaded experts their work.
 
-use super::device_experts::split_work;
+use super::device_experts::{split_work, SplitWork};
 use super::graph::GraphParts;
 use super::graph::SegmentOut;
 use super::handover::Carry;
@@ -16,6 +16,7 @@ use crate::experts::ExpertExec;
 use crate::ffi::ggml;
 use crate::ffi::ggml::Ctx;
 use crate::ffi::ggml::Tensor;
+use std::sync::Arc;
 
 impl Stage {
     /// Runs one step. `input` is the previous stage's hidden state (absent
@@ -116,7 +117,8 @@ impl Stage {
         kv_idx: &[i64],
         mut experts: Option<&mut dyn ExpertExec>,
     ) -> Result<StageOutput, EngineError> {
-        let hp = &self.model.hparams;
+        let model = Arc::clone(&self.model);
+        let hp = &model.hparams;
         let n = batch.len();
         let out_rows: Vec<usize> = if self.range.head {
             (0..n).filter(|&i| batch.logits[i]).collect()
@@ -213,141 +215,194 @@ impl Stage {
             };
             let layer = seg.cut.expect("a cut segment names its layer");
             let n_cut = cur.ne()[1] as usize;
-            let mut c = Carry {
-                n_tokens: n_cut,
-                routed: Vec::new(),
-                shared: None,
-                ffn_inp: Vec::new(),
-            };
-            let mut x = Vec::new();
+            let (mut x, mut ffn_inp_vals, mut id_vals, mut w_vals) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             cur.read_f32(&mut x);
-            ffn_inp.read_f32(&mut c.ffn_inp);
-            let (mut id_vals, mut w_vals) = (Vec::new(), Vec::new());
+            ffn_inp.read_f32(&mut ffn_inp_vals);
             ids.read_i32(&mut id_vals);
             weights.read_f32(&mut w_vals);
             // This segment's graph and context are done with.
             drop(ctx);
-            if let Some(counts) = self.expert_counts.get_mut(&layer) {
-                for &id in &id_vals {
-                    if let Some(n) = usize::try_from(id).ok().and_then(|i| counts.get_mut(i)) {
-                        *n += 1;
-                    }
-                }
-            }
-            let e = hp.n_embd as usize;
-            let n_used = id_vals.len() / n_cut.max(1);
-            let split = self
-                .device
-                .get(&layer)
-                .map(|d| split_work(&d.ids, n_used, &id_vals, &w_vals));
-            let dev_width = split.as_ref().map_or(0, |s| s.dev_width);
-            let has_side = hp.arch.has_shared_experts(hp, layer) || dev_width > 0;
-            // The side graph takes its input before the routed experts'
-            // input moves to the executor.
-            let side_ctx = Ctx::new(ggml::GRAPH_NODES, true);
-            let parts = GraphParts {
-                model: &self.model,
-                range: &self.range,
-                weights: &self.weights,
-                kv: &self.kv,
-                device: &self.device,
+            let cut = CutOut {
+                layer,
+                n_tokens: n_cut,
+                x,
+                ffn_inp: ffn_inp_vals,
+                ids: id_vals,
+                weights: w_vals,
             };
-            let side_graph = if has_side {
-                let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
-                self.exec.alloc(&g).map_err(EngineError::Ggml)?;
-                let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
-                input("inp_moe_cur").write(&x);
-                if let Some(s) = split.as_ref().filter(|_| dev_width > 0) {
-                    input("inp_dev_ids").write(&s.dev_ids);
-                    input("inp_dev_weights").write(&s.dev_weights);
-                }
-                Some((g, out))
-            } else {
-                None
-            };
-            // The executor's share: every token, or with device experts
-            // only the tokens that selected an expert elsewhere (`rows`).
-            let (rows, batch) = match split {
-                None => (
-                    None,
-                    Some(ExpertBatch {
-                        layer,
-                        n_tokens: n_cut,
-                        x,
-                        ids: id_vals,
-                        weights: w_vals,
-                    }),
-                ),
-                Some(s) if s.rows.is_empty() => (None, None),
-                Some(s) => {
-                    let x = if s.rows.len() == n_cut {
-                        x
-                    } else {
-                        s.rows
-                            .iter()
-                            .flat_map(|&t| &x[t * e..(t + 1) * e])
-                            .copied()
-                            .collect()
-                    };
-                    let batch = ExpertBatch {
-                        layer,
-                        n_tokens: s.rows.len(),
-                        x,
-                        ids: s.ids,
-                        weights: s.weights,
-                    };
-                    (Some(s.rows), Some(batch))
-                }
-            };
-            let mut remote = None;
-            if let Some(batch) = batch {
-                let exec = experts.as_deref_mut().ok_or_else(|| {
-                    EngineError::Config(format!(
-                        "layer {layer}'s routed experts are elsewhere but no expert executor was given"
-                    ))
-                })?;
-                let n_sent = batch.n_tokens;
-                exec.submit(batch)?;
-                remote = Some((exec, n_sent));
-            }
-            // Overlaps with the executor's work; wait even if it fails, so
-            // that the executor is left with nothing pending.
-            let side = side_graph.map(|(g, out)| {
-                self.exec.compute(&g).map(|()| {
-                    let mut v = Vec::new();
-                    out.read_f32(&mut v);
-                    v
-                })
-            });
-            let routed = remote.map(|(exec, n_sent)| (exec.wait(), n_sent));
-            c.shared = side.transpose().map_err(EngineError::Ggml)?;
-            c.routed = match routed {
-                // Nothing elsewhere: the side graph computed every selected expert.
-                None => vec![0.0; n_cut * e],
-                Some((got, n_sent)) => {
-                    let got = got?;
-                    if got.len() != n_sent * e {
-                        return Err(EngineError::Experts(format!(
-                            "layer {layer}: the executor returned {} values for {n_sent} tokens of width {e} ({})",
-                            got.len(),
-                            n_sent * e
-                        )));
-                    }
-                    match rows {
-                        None => got,
-                        Some(rows) => {
-                            // Tokens not sent had nothing elsewhere: 0.
-                            let mut all = vec![0.0; n_cut * e];
-                            for (i, &t) in rows.iter().enumerate() {
-                                all[t * e..(t + 1) * e].copy_from_slice(&got[i * e..(i + 1) * e]);
-                            }
-                            all
-                        }
-                    }
-                }
-            };
+            let c = self.run_experts(cut, experts.as_deref_mut())?;
             carry = Some(c);
         }
         unreachable!("the last segment ends the range")
+    }
+
+    /// A cut segment's routed experts: the executor's share submitted,
+    /// shared and device-kept experts computed meanwhile (the side graph),
+    /// both waited for; what the next segment resumes with.
+    fn run_experts<'x>(
+        &mut self,
+        cut: CutOut,
+        experts: Option<&mut (dyn ExpertExec + 'x)>,
+    ) -> Result<Carry, EngineError> {
+        let model = Arc::clone(&self.model);
+        let hp = &model.hparams;
+        let CutOut {
+            layer,
+            n_tokens: n_cut,
+            x,
+            ffn_inp,
+            ids: id_vals,
+            weights: w_vals,
+        } = cut;
+        let mut c = Carry {
+            n_tokens: n_cut,
+            routed: Vec::new(),
+            shared: None,
+            ffn_inp,
+        };
+        if let Some(counts) = self.expert_counts.get_mut(&layer) {
+            for &id in &id_vals {
+                if let Some(n) = usize::try_from(id).ok().and_then(|i| counts.get_mut(i)) {
+                    *n += 1;
+                }
+            }
+        }
+        let e = hp.n_embd as usize;
+        let n_used = id_vals.len() / n_cut.max(1);
+        let split = self
+            .device
+            .get(&layer)
+            .map(|d| split_work(&d.ids, n_used, &id_vals, &w_vals));
+        let dev_width = split.as_ref().map_or(0, |s| s.dev_width);
+        let has_side = hp.arch.has_shared_experts(hp, layer) || dev_width > 0;
+        // The side graph takes its input before the routed experts'
+        // input moves to the executor.
+        let side_ctx = Ctx::new(ggml::GRAPH_NODES, true);
+        let parts = GraphParts {
+            model: &self.model,
+            range: &self.range,
+            weights: &self.weights,
+            kv: &self.kv,
+            device: &self.device,
+        };
+        let side_graph = if has_side {
+            let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
+            self.exec.alloc(&g).map_err(EngineError::Ggml)?;
+            let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
+            input("inp_moe_cur").write(&x);
+            if let Some(s) = split.as_ref().filter(|_| dev_width > 0) {
+                input("inp_dev_ids").write(&s.dev_ids);
+                input("inp_dev_weights").write(&s.dev_weights);
+            }
+            Some((g, out))
+        } else {
+            None
+        };
+        let (rows, batch) = executor_share(split, layer, n_cut, e, x, id_vals, w_vals);
+        let mut remote = None;
+        if let Some(batch) = batch {
+            let exec = experts.ok_or_else(|| {
+                EngineError::Config(format!(
+                    "layer {layer}'s routed experts are elsewhere but no expert executor was given"
+                ))
+            })?;
+            let n_sent = batch.n_tokens;
+            exec.submit(batch)?;
+            remote = Some((exec, n_sent));
+        }
+        // Overlaps with the executor's work; wait even if it fails, so
+        // that the executor is left with nothing pending.
+        let side = side_graph.map(|(g, out)| {
+            self.exec.compute(&g).map(|()| {
+                let mut v = Vec::new();
+                out.read_f32(&mut v);
+                v
+            })
+        });
+        let routed = remote.map(|(exec, n_sent)| (exec.wait(), n_sent));
+        c.shared = side.transpose().map_err(EngineError::Ggml)?;
+        c.routed = match routed {
+            // Nothing elsewhere: the side graph computed every selected expert.
+            None => vec![0.0; n_cut * e],
+            Some((got, n_sent)) => {
+                let got = got?;
+                if got.len() != n_sent * e {
+                    return Err(EngineError::Experts(format!(
+                        "layer {layer}: the executor returned {} values for {n_sent} tokens of width {e} ({})",
+                        got.len(),
+                        n_sent * e
+                    )));
+                }
+                match rows {
+                    None => got,
+                    Some(rows) => {
+                        // Tokens not sent had nothing elsewhere: 0.
+                        let mut all = vec![0.0; n_cut * e];
+                        for (i, &t) in rows.iter().enumerate() {
+                            all[t * e..(t + 1) * e].copy_from_slice(&got[i * e..(i + 1) * e]);
+                        }
+                        all
+                    }
+                }
+            }
+        };
+        Ok(c)
+    }
+}
+
+/// What a cut segment hands over: its layer's normed expert input `x`, the
+/// residual, and each token's selected experts and weights.
+struct CutOut {
+    layer: u32,
+    n_tokens: usize,
+    x: Vec<f32>,
+    ffn_inp: Vec<f32>,
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+}
+
+/// The expert executor's share of a cut: every token, or with device
+/// experts only the tokens that selected an expert elsewhere (`rows`).
+fn executor_share(
+    split: Option<SplitWork>,
+    layer: u32,
+    n_cut: usize,
+    e: usize,
+    x: Vec<f32>,
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+) -> (Option<Vec<usize>>, Option<ExpertBatch>) {
+    match split {
+        None => (
+            None,
+            Some(ExpertBatch {
+                layer,
+                n_tokens: n_cut,
+                x,
+                ids,
+                weights,
+            }),
+        ),
+        Some(s) if s.rows.is_empty() => (None, None),
+        Some(s) => {
+            let x = if s.rows.len() == n_cut {
+                x
+            } else {
+                s.rows
+                    .iter()
+                    .flat_map(|&t| &x[t * e..(t + 1) * e])
+                    .copied()
+                    .collect()
+            };
+            let batch = ExpertBatch {
+                layer,
+                n_tokens: s.rows.len(),
+                x,
+                ids: s.ids,
+                weights: s.weights,
+            };
+            (Some(s.rows), Some(batch))
+        }
     }
 }
