@@ -77,29 +77,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
     });
     let mut constrained: Option<(f64, f64, Vec<u32>)> = None;
 
-    // llama.cpp from the same vendored source: decode rate from the
-    // difference of two runs, so the prompt's prefill cancels out.
-    let mut ref_runs = Vec::new();
-    for i in 0..=a.runs {
-        let t = Instant::now();
-        omni_engine::llama_cpp_greedy(&path, &prompt, 1, threads)?;
-        let one = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        omni_engine::llama_cpp_greedy(&path, &prompt, a.tg + 1, threads)?;
-        let all = t.elapsed().as_secs_f64();
-        if i > 0 {
-            ref_runs.push(a.tg as f64 / (all - one).max(1e-9));
-        }
-    }
-    rows.push(Row {
-        name: "llama.cpp (in process)",
-        tok_s: median(&mut ref_runs),
-        hop_p50: None,
-        hop_p99: None,
-        pipeline_b_tok: None,
-        expert_b_tok: None,
-        expert_wait_ms: None,
-    });
+    rows.push(llama_cpp_row(&path, &prompt, &a, threads)?);
 
     // MoE models also run with every routed expert on an expert worker.
     let moe = omni_engine::ModelFile::open(&path)?.hparams.moe.is_some();
@@ -177,12 +155,64 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
         ("grpc", raw_hop(TransportChoice::Grpc, 2000, 4096)?),
     ];
 
-    let reference = rows[0].tok_s;
-    let one_stage = rows[1].tok_s;
     let structured = match constrained {
         Some((tok_s, plain, ids)) => Some((tok_s, plain, mask_us(&tokenizer, &schema, &ids)?)),
         None => None,
     };
+    report(
+        &a,
+        &path,
+        threads,
+        &rows,
+        &hops,
+        structured,
+        tokenizer.n_vocab(),
+    )
+}
+
+/// llama.cpp from the same vendored source: its decode rate, from the
+/// difference of two runs so the prompt's prefill cancels out.
+fn llama_cpp_row(
+    path: &std::path::Path,
+    prompt: &[u32],
+    a: &BenchClusterArgs,
+    threads: usize,
+) -> anyhow::Result<Row> {
+    let mut ref_runs = Vec::new();
+    for i in 0..=a.runs {
+        let t = Instant::now();
+        omni_engine::llama_cpp_greedy(path, prompt, 1, threads)?;
+        let one = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        omni_engine::llama_cpp_greedy(path, prompt, a.tg + 1, threads)?;
+        let all = t.elapsed().as_secs_f64();
+        if i > 0 {
+            ref_runs.push(a.tg as f64 / (all - one).max(1e-9));
+        }
+    }
+    Ok(Row {
+        name: "llama.cpp (in process)",
+        tok_s: median(&mut ref_runs),
+        hop_p50: None,
+        hop_p99: None,
+        pipeline_b_tok: None,
+        expert_b_tok: None,
+        expert_wait_ms: None,
+    })
+}
+
+/// The results beside llama.cpp's, as a table or JSON.
+fn report(
+    a: &BenchClusterArgs,
+    path: &std::path::Path,
+    threads: usize,
+    rows: &[Row],
+    hops: &[(&str, (f64, f64))],
+    structured: Option<(f64, f64, (f64, f64))>,
+    n_vocab: usize,
+) -> anyhow::Result<()> {
+    let reference = rows[0].tok_s;
+    let one_stage = rows[1].tok_s;
     if a.json {
         let v: Vec<_> = rows
             .iter()
@@ -228,7 +258,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
         "exp B/tok",
         "exp wait/step"
     );
-    for r in &rows {
+    for r in rows {
         let opt = |h: Option<f64>, p: usize| h.map_or("-".to_string(), |v| format!("{v:.p$}"));
         println!(
             "{:<26} {:>9.1} {:>8.2}x {:>9.2}x {:>11} {:>11} {:>10} {:>10} {:>12}",
@@ -249,7 +279,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             "2 stages, shm, json_schema: {tok_s:.1} tok/s against {plain:.1} unconstrained in turn \
              ({:.2}x); mask p50 {p50:.0} µs, p99 {p99:.0} µs per token ({} tokens in the vocabulary)",
             tok_s / plain,
-            tokenizer.n_vocab()
+            n_vocab
         );
     }
     println!(
@@ -257,7 +287,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
          ring: the shared-memory ring by itself, the floor a hop over shm can reach):"
     );
     let floor = hops[0].1 .0;
-    for (t, (p50, p99)) in &hops {
+    for (t, (p50, p99)) in hops {
         println!(
             "  {t:<5} p50 {p50:.1} µs ({:.2}x the ring alone), p99 {p99:.1} µs",
             p50 / floor

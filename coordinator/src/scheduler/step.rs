@@ -1,0 +1,360 @@
+//! A step: which sequences go into it (prefill chunks beside decode), sending it, and
+//! what comes back (tokens, logprobs, stops).
+
+use super::*;
+use omni_engine::sampling::StopMatcher;
+use omni_engine::tokenizer::StreamDecoder;
+use omni_proto::coordinator::v1::Done;
+use omni_proto::coordinator::v1::FinishReason;
+use omni_proto::coordinator::v1::GenerateEvent;
+use omni_proto::coordinator::v1::Token;
+use omni_proto::worker::v1::SlotRequest;
+use omni_proto::worker::v1::Step;
+use omni_proto::worker::v1::TopLogprob;
+use omni_transport::Frame;
+use prost::Message;
+use std::collections::HashMap;
+use std::time::Instant;
+
+impl Scheduler {
+    /// Admits queued sequences into free slots, then sends a step for every
+    /// idle group that has work (or a control step if only removals wait).
+    pub(super) fn schedule(&mut self) {
+        if self.failed.is_some()
+            || self.recovering.is_some()
+            || self.paused
+            || self.pausing.is_some()
+        {
+            return;
+        }
+        let replaying = self.replaying();
+        while !replaying && !self.queue.is_empty() && !self.free_slots.is_empty() {
+            let new = self.queue.pop_front().unwrap();
+            let slot = self.free_slots.pop().unwrap();
+            let group = (0..self.groups.len())
+                .min_by_key(|&g| self.seqs.values().filter(|s| s.group == g).count())
+                .unwrap_or(0);
+            let tokens = new.prompt.clone();
+            let stops = StopMatcher::new(new.stop.clone());
+            self.order.push(new.id);
+            self.seqs.insert(
+                new.id,
+                Seq {
+                    new,
+                    slot,
+                    group,
+                    tokens,
+                    fed: 0,
+                    generated: 0,
+                    started: false,
+                    decoder: StreamDecoder::default(),
+                    stops,
+                    first_token: None,
+                    recoveries: 0,
+                    crashes: 0,
+                },
+            );
+        }
+        for g in 0..self.groups.len() {
+            if self.groups[g].is_some() {
+                continue;
+            }
+            let built = match self.replay[g].pop_front() {
+                Some(entries) => self.build_replay(g, entries),
+                None if replaying => None,
+                None => self.build_step(g),
+            };
+            if let Some((step, flight)) = built {
+                self.send(step, Some((g, flight)));
+                if self.recovering.is_some() {
+                    return;
+                }
+            }
+        }
+        if !self.pending_remove.is_empty() {
+            let step = Step {
+                group: CONTROL_GROUP,
+                ..Default::default()
+            };
+            self.send(step, None);
+        }
+    }
+
+    pub(super) fn build_step(&mut self, g: usize) -> Option<(Step, Flight)> {
+        let mut budget = self.cfg.n_ubatch;
+        let mut step = Step {
+            group: g as u32,
+            ..Default::default()
+        };
+        let mut owners = HashMap::new();
+        let mut entries = Vec::new();
+        // Decode tokens first (one each), then prompt chunks: bounded by
+        // `prefill_chunk` when the step decodes, so a long prompt does not
+        // hold the generating streams up for all of its tokens at once.
+        let ids: Vec<u64> = self.order.clone();
+        let mut prompt_tokens = 0;
+        for decode_pass in [true, false] {
+            let decoded = self.cfg.n_ubatch - budget;
+            if !decode_pass && decoded > 0 && self.cfg.prefill_chunk > 0 {
+                budget = budget.min(self.cfg.prefill_chunk);
+            }
+            for id in &ids {
+                let s = self.seqs.get_mut(id).unwrap();
+                let remaining = s.tokens.len() - s.fed;
+                let decoding = s.fed >= s.new.prompt.len();
+                if s.group != g || remaining == 0 || decoding != decode_pass || budget == 0 {
+                    continue;
+                }
+                let take = remaining.min(budget);
+                entries.push(Entry {
+                    seq: *id,
+                    from: s.fed,
+                    n: take,
+                    logits: s.fed + take == s.tokens.len(),
+                    cells: Vec::new(),
+                });
+                for p in s.fed..s.fed + take {
+                    step.tokens.push(s.tokens[p]);
+                    step.positions.push(p as i32);
+                    step.seqs.push(s.slot);
+                    step.logits.push(p + 1 == s.tokens.len());
+                }
+                if !s.started {
+                    s.started = true;
+                    step.starts.push(seq_start(s));
+                    step.requests.push(SlotRequest {
+                        slot: s.slot,
+                        request_id: s.new.request_id.clone(),
+                        traceparent: s.new.traceparent.clone().unwrap_or_default(),
+                    });
+                }
+                s.fed += take;
+                budget -= take;
+                if !decode_pass {
+                    prompt_tokens += take;
+                }
+                owners.insert(s.slot, *id);
+            }
+        }
+        if step.tokens.is_empty() {
+            None
+        } else {
+            if prompt_tokens > 0 && prompt_tokens < step.tokens.len() {
+                self.metrics
+                    .mixed_step_prompt_tokens
+                    .observe(prompt_tokens as f64);
+            }
+            Some((
+                step,
+                Flight {
+                    owners,
+                    entries,
+                    replay: false,
+                },
+            ))
+        }
+    }
+
+    /// Sends a step; a group's step records the owner of each of its slots.
+    pub(super) fn send(&mut self, mut step: Step, group: Option<(usize, Flight)>) {
+        step.id = self.next_step;
+        self.next_step += 1;
+        // Removals ride on whatever step goes first; the slots are free
+        // for reuse once it is on its way.
+        step.remove = std::mem::take(&mut self.pending_remove);
+        let freed = step.remove.clone();
+        let n_tokens = step.tokens.len() as u64;
+        let frame = Frame {
+            meta: step.encode_to_vec(),
+            payload: Vec::new(),
+        };
+        if let Err(e) = self.outbox.send(frame) {
+            self.begin_recovery(format!("cannot reach the first stage: {e}"));
+            return;
+        }
+        self.free_slots.extend(freed);
+        self.metrics.steps.inc();
+        self.metrics.tokens_in.inc_by(n_tokens);
+        match group {
+            Some((g, f)) => {
+                self.groups[g] = Some(InFlight {
+                    id: step.id,
+                    sent: Instant::now(),
+                    flight: f,
+                })
+            }
+            None => self.control_in_flight += 1,
+        }
+    }
+
+    pub(super) fn on_frame(&mut self, frame: Frame) {
+        let step = match Step::decode(frame.meta.as_slice()) {
+            Ok(s) => s,
+            Err(e) => {
+                self.begin_recovery(format!("the last stage sent an undecodable frame: {e}"));
+                return;
+            }
+        };
+        if step.id < self.fence || self.recovering.is_some() {
+            tracing::debug!(step = step.id, "ignored a result of the broken pipeline");
+            return;
+        }
+        if step.group == CONTROL_GROUP {
+            self.control_in_flight = self.control_in_flight.saturating_sub(1);
+            return;
+        }
+        let g = step.group as usize;
+        let Some(inflight) = self.groups.get_mut(g).and_then(|f| f.take()) else {
+            tracing::warn!(
+                "result for step {} of group {g}, which has none in flight",
+                step.id
+            );
+            return;
+        };
+        if inflight.id != step.id {
+            self.begin_recovery(format!(
+                "the pipeline returned step {} but step {} was expected",
+                step.id, inflight.id
+            ));
+            return;
+        }
+        let mut compute_us = 0.0;
+        let mut expert_wait_ms = None;
+        for t in &step.times {
+            self.metrics.record_stage(t.stage, t.compute_ms as f64);
+            compute_us += t.compute_ms as f64 * 1e3;
+            if t.expert_wait_ms > 0.0 {
+                self.metrics
+                    .record_expert_wait(t.stage, t.expert_wait_ms as f64);
+                *expert_wait_ms.get_or_insert(0.0) += t.expert_wait_ms as f64;
+            }
+        }
+        if let Some(ms) = expert_wait_ms {
+            self.metrics.record_step_expert_wait(ms);
+        }
+        if !step.times.is_empty() {
+            let rtt_us = inflight.sent.elapsed().as_secs_f64() * 1e6;
+            let hops = (step.times.len() + 1) as f64;
+            self.metrics
+                .record_hop((rtt_us - compute_us).max(0.0) / hops);
+        }
+        self.metrics
+            .step_latency_us
+            .set(inflight.sent.elapsed().as_micros() as i64);
+        if !step.error.is_empty() {
+            // Its sequences' cache is now unknown somewhere along the
+            // pipeline (and a dead expert worker shows up here first).
+            self.begin_recovery(format!("step {} failed: {}", step.id, step.error));
+            return;
+        }
+        let f = &inflight.flight;
+        self.log_step(g, &f.entries, &step.cells);
+        if f.replay {
+            self.check_replayed(&f.entries, &f.owners, &step.sampled);
+            return;
+        }
+        for sampled in &step.sampled {
+            let Some(&id) = f.owners.get(&sampled.slot) else {
+                continue;
+            };
+            self.on_token(id, sampled);
+        }
+    }
+
+    /// Keeps a step that came back in its group's log, with the cells its
+    /// tokens went into (in token order, as the first stage reported them).
+    pub(super) fn log_step(&mut self, g: usize, entries: &[Entry], cells: &[i64]) {
+        let mut at = 0;
+        let mut logged = Vec::new();
+        for e in entries {
+            let mine = cells.get(at..at + e.n).unwrap_or_default();
+            at += e.n;
+            if self.seqs.contains_key(&e.seq) {
+                logged.push(Entry {
+                    cells: mine.to_vec(),
+                    ..e.clone()
+                });
+            }
+        }
+        if !logged.is_empty() {
+            self.logs[g].push_back(logged);
+        }
+    }
+
+    pub(super) fn on_token(&mut self, id: u64, sampled: &omni_proto::worker::v1::Sampled) {
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return; // cancelled while its step was in flight
+        };
+        let tok = sampled.token;
+        s.tokens.push(tok);
+        s.generated += 1;
+        self.metrics.tokens_out.inc();
+        let first = s.first_token.is_none();
+        if first {
+            s.first_token = Some(Instant::now());
+            self.metrics
+                .record_ttft(s.new.arrived.elapsed().as_secs_f64() * 1e3);
+        }
+        let mut ev = GenerateEvent {
+            prompt_ids: if first {
+                s.new.prompt.clone()
+            } else {
+                Vec::new()
+            },
+            tokens: vec![Token {
+                id: tok,
+                logprob: sampled.logprob,
+                top: sampled
+                    .top
+                    .iter()
+                    .map(|t| TopLogprob {
+                        piece: self.tokenizer.text_of(t.token),
+                        ..t.clone()
+                    })
+                    .collect(),
+                piece: self.tokenizer.text_of(tok),
+            }],
+            ..Default::default()
+        };
+        let mut finish = None;
+        if self.tokenizer.is_eog(tok) && !s.new.ignore_eos {
+            finish = Some(FinishReason::Stop);
+        } else {
+            let text = s.decoder.push(&self.tokenizer.piece(tok));
+            let out = s.stops.push(&text);
+            ev.text = out.text;
+            if out.stopped {
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if finish.is_none() && (s.generated >= s.new.max_tokens || s.tokens.len() >= self.cfg.n_ctx)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        if let Some(reason) = finish {
+            if reason == FinishReason::Length {
+                let rest = s.stops.push(&s.decoder.finish());
+                ev.text.push_str(&rest.text);
+                ev.text.push_str(&s.stops.finish());
+            }
+            let now = Instant::now();
+            let ttft_ms = s
+                .first_token
+                .map_or(0.0, |t| (t - s.new.arrived).as_secs_f64() * 1e3);
+            s.new.span.record("completion_tokens", s.generated);
+            s.new.span.record("finish_reason", reason.as_str_name());
+            s.new.span.record("ttft_ms", ttft_ms);
+            ev.done = Some(Done {
+                finish_reason: reason as i32,
+                prompt_tokens: s.new.prompt.len() as u32,
+                completion_tokens: s.generated as u32,
+                time_to_first_token_ms: ttft_ms,
+                total_ms: (now - s.new.arrived).as_secs_f64() * 1e3,
+            });
+        }
+        let gone = s.new.events.send(Ok(ev)).is_err();
+        if finish.is_some() || gone {
+            self.drop_seq(id);
+        }
+    }
+}
