@@ -270,11 +270,11 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     if cfg.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
-    omni_telemetry::warn_secret_flags(
+    omni_runtime::warn_secret_flags(
         "omni-coordinator",
         &[("--admin-token", "OMNI_ADMIN_TOKEN or --admin-token-file")],
     );
-    cfg.admin_token = omni_telemetry::value_or_secret_file(
+    cfg.admin_token = omni_runtime::value_or_secret_file(
         cfg.admin_token.take(),
         cfg.admin_token_file.as_deref(),
         "the admin token (--admin-token / --admin-token-file)",
@@ -309,7 +309,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     start::serve_admin(&cfg, shared.admin.clone()).await?;
     if let Some(addr) = &cfg.metrics_listen {
         let m = metrics.clone();
-        omni_transport::metrics::serve(addr, Arc::new(move || m.render())).await?;
+        omni_runtime::metrics::serve(addr, Arc::new(move || m.render())).await?;
     }
 
     // 1. Workers.

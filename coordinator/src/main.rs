@@ -42,12 +42,12 @@ enum Command {
 
 fn main() {
     let cfg: omni_coordinator::CoordinatorConfig =
-        omni_transport::health::settings_or_healthcheck::<Cli, _>(
+        omni_runtime::health::settings_or_healthcheck::<Cli, _>(
             "omni-coordinator",
             omni_coordinator::HEALTH_SERVICE,
         );
     let telemetry = cfg.telemetry.clone();
-    omni_telemetry::service_main(
+    omni_runtime::service_main(
         "omni-coordinator",
         None,
         &telemetry,

@@ -171,7 +171,7 @@ fn set_state(info: &Mutex<InfoReply>, ready: bool, state: String) {
 
 /// A worker's gRPC health, within `wait`.
 async fn healthy(addr: &str, wait: Duration) -> Result<(), String> {
-    omni_transport::health::check(addr, "", wait).await
+    omni_runtime::health::check(addr, "", wait).await
 }
 
 /// How long a worker may take to answer a recovery's Status or health check.

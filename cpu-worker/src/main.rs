@@ -38,7 +38,7 @@ enum Command {
 
 fn main() {
     let cfg: omni_cpu_worker::service::CpuWorkerConfig =
-        omni_transport::health::settings_or_healthcheck::<Cli, _>("omni-cpu-worker", "");
+        omni_runtime::health::settings_or_healthcheck::<Cli, _>("omni-cpu-worker", "");
     // Bind before the runtime (or anything else) starts a thread: threads
     // inherit the affinity and memory policy of the thread that makes them.
     let binding = match cfg.numa_node {
@@ -55,7 +55,7 @@ fn main() {
     };
     let telemetry = cfg.telemetry.clone();
     let id = cfg.worker_id();
-    omni_telemetry::service_main(
+    omni_runtime::service_main(
         "omni-cpu-worker",
         Some(&id),
         &telemetry,

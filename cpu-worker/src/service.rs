@@ -158,7 +158,7 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
     inventory.cpu_variant = cpu.variant.clone();
     inventory.cpu_features = cpu.features.clone();
     let binding = describe(&binding);
-    let (listener, local) = omni_transport::registry::listen(&cfg.listen, &cfg.coordinator).await?;
+    let (listener, local) = omni_runtime::registry::listen(&cfg.listen, &cfg.coordinator).await?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
     tracing::info!(
         "expert worker {id} listening on {local}: {binding}, {threads} threads, {:.2} GiB offered",
@@ -190,9 +190,9 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
     let server = tokio::spawn(server);
     if let Some(addr) = &cfg.metrics_listen {
         let w = worker.clone();
-        omni_transport::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
+        omni_runtime::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
     }
-    let instance = omni_transport::registry::register(
+    let instance = omni_runtime::registry::register(
         &cfg.coordinator,
         cfg.register_timeout,
         &id,
@@ -202,12 +202,9 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         last_exit.as_deref(),
     )
     .await?;
-    let r = omni_transport::registry::serve_while_coordinator_lives(
-        server,
-        &cfg.coordinator,
-        &instance,
-    )
-    .await;
+    let r =
+        omni_runtime::registry::serve_while_coordinator_lives(server, &cfg.coordinator, &instance)
+            .await;
     worker.stop.store(true, Ordering::Relaxed);
     r?;
     tracing::info!("expert worker {id} stopped");

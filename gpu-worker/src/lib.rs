@@ -27,7 +27,7 @@ use omni_proto::worker::v1::{
     ResetRequest, StateChunk, StatusReply, StatusRequest, SwitchReply, Transport, WireReply,
     WireRequest,
 };
-use omni_transport::registry::{listen, register, serve_while_coordinator_lives};
+use omni_runtime::registry::{listen, register, serve_while_coordinator_lives};
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -246,7 +246,7 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     let server = tokio::spawn(server);
     if let Some(addr) = &cfg.metrics_listen {
         let w = worker.clone();
-        omni_transport::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
+        omni_runtime::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
     }
     let instance = register(
         &cfg.coordinator,

@@ -37,10 +37,10 @@ enum Command {
 
 fn main() {
     let cfg: omni_gpu_worker::WorkerConfig =
-        omni_transport::health::settings_or_healthcheck::<Cli, _>("omni-gpu-worker", "");
+        omni_runtime::health::settings_or_healthcheck::<Cli, _>("omni-gpu-worker", "");
     let telemetry = cfg.telemetry.clone();
     let id = cfg.worker_id();
-    omni_telemetry::service_main(
+    omni_runtime::service_main(
         "omni-gpu-worker",
         Some(&id),
         &telemetry,

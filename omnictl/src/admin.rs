@@ -63,7 +63,7 @@ impl AdminArgs {
         if self.token_file.is_none() && !file.exists() {
             return Ok(None);
         }
-        let t = omni_telemetry::read_secret(&file, what).map_err(anyhow::Error::msg)?;
+        let t = omni_runtime::read_secret(&file, what).map_err(anyhow::Error::msg)?;
         Ok(Some((t, file.display().to_string())))
     }
 

@@ -3,7 +3,7 @@
 use clap::Parser;
 
 fn main() {
-    omni_telemetry::forget_empty_settings();
+    omni_runtime::forget_empty_settings();
     // Die quietly when the reader goes away (`omnictl workers | head`), as
     // command-line tools do, instead of panicking on the closed pipe.
     // SAFETY: restoring the default action of a signal; nothing else runs yet.

@@ -227,7 +227,7 @@ impl RouterConfig {
         }
         let from_file = match &self.api_keys_file {
             Some(f) => {
-                omni_telemetry::read_secret(f, "--api-keys-file").map_err(ConfigError::Flag)?
+                omni_runtime::read_secret(f, "--api-keys-file").map_err(ConfigError::Flag)?
             }
             None => String::new(),
         };

@@ -40,8 +40,8 @@ enum Command {
 }
 
 fn main() {
-    omni_telemetry::forget_empty_settings();
-    omni_telemetry::warn_secret_flags(
+    omni_runtime::forget_empty_settings();
+    omni_runtime::warn_secret_flags(
         "omni-router",
         &[("--api-key", "OMNI_API_KEYS or --api-keys-file")],
     );
@@ -64,7 +64,7 @@ fn main() {
     let telemetry = omni_telemetry::TelemetryArgs {
         otlp_endpoint: settings.otlp_endpoint.clone(),
     };
-    omni_telemetry::service_main("omni-router", None, &telemetry, omni_router::run(settings))
+    omni_runtime::service_main("omni-router", None, &telemetry, omni_router::run(settings))
 }
 
 /// GET /ready on the running router; the exit status of `healthcheck`.
@@ -75,7 +75,7 @@ fn healthcheck(cfg: RouterConfig, url: Option<String>, timeout: f64) -> i32 {
             let addr = cfg
                 .settings()
                 .map_err(|e| e.to_string())
-                .and_then(|s| omni_telemetry::probe_addr(&s.listen));
+                .and_then(|s| omni_runtime::probe_addr(&s.listen));
             match addr {
                 Ok(a) => format!("http://{a}/ready"),
                 Err(e) => {

@@ -1,4 +1,5 @@
-//! Logs and traces for every omni service, and the `main` they share.
+//! Logs and traces for every omni service (the `main` they share is
+//! `omni_runtime::service_main`).
 //!
 //! Logs go to stderr, filtered by `OMNI_LOG` (default `info`). Traces are
 //! exported over OTLP/HTTP (protobuf) when an endpoint is configured
@@ -19,8 +20,6 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
 use std::collections::HashMap;
-use std::future::Future;
-use std::time::Duration;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -146,47 +145,6 @@ fn filter(var: &str, default: &str) -> EnvFilter {
     EnvFilter::try_from_env(var).unwrap_or_else(|_| EnvFilter::new(default))
 }
 
-/// The `main` of every omni service: logs and traces, a runtime, and `run`
-/// raced against Ctrl-C and SIGTERM, so that stopping drops everything
-/// `run` holds (shared-memory rings are unlinked on drop) instead of waiting
-/// for open streams. The last traces are flushed before the process exits.
-pub fn service_main<F>(service: &str, instance: Option<&str>, args: &TelemetryArgs, run: F) -> !
-where
-    F: Future<Output = anyhow::Result<()>>,
-{
-    let fail = |e: anyhow::Error| -> ! {
-        eprintln!("{service}: error: {e:#}");
-        std::process::exit(1)
-    };
-    let telemetry = init(service, instance, args).unwrap_or_else(|e| fail(e));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| fail(e.into()));
-    let result = rt.block_on(async {
-        tokio::select! {
-            r = run => r,
-            _ = shutdown_signal() => Ok(()),
-        }
-    });
-    rt.shutdown_timeout(Duration::from_secs(2));
-    drop(telemetry);
-    match result {
-        Ok(()) => std::process::exit(0),
-        Err(e) => fail(e),
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-}
-
 /// A trace context received from another process.
 #[derive(Clone, Debug)]
 pub struct Remote(opentelemetry::Context);
@@ -229,83 +187,6 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     carrier.remove(TRACEPARENT)
 }
 
-/// Forgets every empty `OMNI_*` and `OTEL_*` variable, so that an empty
-/// one is as if unset (a compose file's `${OMNI_NUMA_NODE:-}` gives empty
-/// strings, which flags would otherwise refuse). Call first in `main`,
-/// before any thread starts.
-pub fn forget_empty_settings() {
-    for (k, v) in std::env::vars_os() {
-        let key = k.to_string_lossy();
-        if v.is_empty() && (key.starts_with("OMNI_") || key.starts_with("OTEL_")) {
-            std::env::remove_var(&k);
-        }
-    }
-}
-
-/// The address to probe for a service that listens on `listen`: a
-/// wildcard host (0.0.0.0, [::]) is probed on loopback. Port 0 (a port
-/// picked at start) cannot be probed.
-pub fn probe_addr(listen: &str) -> Result<String, String> {
-    let (host, port) = listen
-        .rsplit_once(':')
-        .ok_or_else(|| format!("'{listen}' is not HOST:PORT"))?;
-    if port == "0" {
-        return Err(format!(
-            "'{listen}' has port 0 (picked at start): give the address to probe with --addr"
-        ));
-    }
-    let host = match host {
-        "0.0.0.0" | "" => "127.0.0.1",
-        "[::]" => "[::1]",
-        h => h,
-    };
-    Ok(format!("{host}:{port}"))
-}
-
-/// A secret given as a file (a compose or Kubernetes secret mounted at
-/// /run/secrets/NAME): its contents, trimmed; an empty or unreadable file
-/// is an error that names it. `what` names the setting in the message.
-pub fn read_secret(path: &std::path::Path, what: &str) -> Result<String, String> {
-    let s = std::fs::read_to_string(path)
-        .map_err(|e| format!("{what}: cannot read {}: {e}", path.display()))?;
-    let s = s.trim();
-    if s.is_empty() {
-        return Err(format!("{what}: {} is empty", path.display()));
-    }
-    Ok(s.to_string())
-}
-
-/// Warns (on stderr) for each of `flags` given on this process's command
-/// line, where every user of the machine can read it in `ps`; `instead`
-/// says how to give it. Secrets belong in files or the environment.
-pub fn warn_secret_flags(service: &str, flags: &[(&str, &str)]) {
-    for arg in std::env::args().skip(1) {
-        for (flag, instead) in flags {
-            if arg == *flag || arg.starts_with(&format!("{flag}=")) {
-                eprintln!(
-                    "{service}: warning: {flag} on the command line is visible to every user of this machine (ps); give it as {instead}"
-                );
-            }
-        }
-    }
-}
-
-/// `value`, or the secret in `file`; both given is an error.
-pub fn value_or_secret_file(
-    value: Option<String>,
-    file: Option<&std::path::Path>,
-    what: &str,
-) -> Result<Option<String>, String> {
-    match (value.filter(|v| !v.is_empty()), file) {
-        (Some(_), Some(f)) => Err(format!(
-            "{what} is given both as a value and as the file {}: give one",
-            f.display()
-        )),
-        (v, None) => Ok(v),
-        (None, Some(f)) => read_secret(f, what).map(Some),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,45 +225,5 @@ mod tests {
         }
         // Without a trace layer a span has no context to pass on.
         assert_eq!(traceparent(&tracing::info_span!("x")), None);
-    }
-
-    #[test]
-    fn wildcards_are_probed_on_loopback_and_port_0_is_refused() {
-        assert_eq!(probe_addr("0.0.0.0:50051").unwrap(), "127.0.0.1:50051");
-        assert_eq!(probe_addr("[::]:7070").unwrap(), "[::1]:7070");
-        assert_eq!(probe_addr("w0:50051").unwrap(), "w0:50051");
-        assert!(probe_addr("127.0.0.1:0").unwrap_err().contains("--addr"));
-        assert!(probe_addr("nonsense").unwrap_err().contains("HOST:PORT"));
-    }
-
-    #[test]
-    fn secrets_come_from_files_trimmed_and_bad_files_are_named() {
-        let dir = std::env::temp_dir().join(format!("omni-secret-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let f = dir.join("token");
-        std::fs::write(&f, "s3cret\n").unwrap();
-        assert_eq!(read_secret(&f, "--x").unwrap(), "s3cret");
-        assert_eq!(
-            value_or_secret_file(None, Some(&f), "--x")
-                .unwrap()
-                .as_deref(),
-            Some("s3cret")
-        );
-        assert_eq!(
-            value_or_secret_file(Some("v".into()), None, "--x")
-                .unwrap()
-                .as_deref(),
-            Some("v")
-        );
-        assert!(value_or_secret_file(Some("v".into()), Some(&f), "--x")
-            .unwrap_err()
-            .contains("give one"));
-        std::fs::write(&f, " \n").unwrap();
-        assert!(read_secret(&f, "--x").unwrap_err().contains("is empty"));
-        let missing = dir.join("missing");
-        assert!(read_secret(&missing, "--x")
-            .unwrap_err()
-            .contains("missing"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

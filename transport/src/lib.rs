@@ -3,10 +3,7 @@
 //! a gRPC stream otherwise.
 
 pub mod experts;
-pub mod health;
 pub mod link;
-pub mod metrics;
-pub mod registry;
 pub mod shm;
 
 pub use experts::{ExpertLink, ExpertLinkError};

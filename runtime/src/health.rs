@@ -53,7 +53,7 @@ pub fn healthcheck_main(what: &str, listen: &str, service: &str, wait_secs: f64)
         eprintln!("{what} healthcheck: --timeout {wait_secs} is not a number of seconds");
         return 2;
     };
-    let addr = match omni_telemetry::probe_addr(listen) {
+    let addr = match crate::probe_addr(listen) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("{what} healthcheck: {e}");
@@ -98,7 +98,7 @@ where
     C: clap::CommandFactory,
     T: clap::FromArgMatches,
 {
-    omni_telemetry::forget_empty_settings();
+    crate::forget_empty_settings();
     let matches = C::command().get_matches();
     if let Some(("healthcheck", m)) = matches.subcommand() {
         let addr = m.get_one::<String>("addr").expect("--addr has a default");
