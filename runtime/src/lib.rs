@@ -1,10 +1,12 @@
-//! What every omni service process shares around its own work: the `main`
+//! What every omni service process shares around its own work: its settings
+//! ([`config`]: defaults, file, environment, flags), the `main`
 //! ([`service_main`]: logs and traces, a runtime, Ctrl-C and SIGTERM),
 //! secrets from files ([`secrets`]), the `healthcheck` subcommand and the
 //! health probe ([`health`]), the `/metrics` listener ([`metrics`]), and
 //! joining a cluster ([`registry`]: listen, register with the coordinator,
 //! stop when it goes away). `omni-transport` is left with moving frames.
 
+pub mod config;
 pub mod health;
 pub mod metrics;
 pub mod registry;
