@@ -15,6 +15,9 @@ use clap::Parser;
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// A TOML file whose [coordinator] table gives settings (also OMNI_CONFIG); OMNI_COORDINATOR_<SETTING> variables, then flags, override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     cfg: omni_coordinator::CoordinatorConfig,
 }
@@ -38,6 +41,10 @@ enum Command {
         #[arg(long, default_value_t = 3.0)]
         timeout: f64,
     },
+    /// Print the settings this service would run with, as the TOML table of
+    /// its config file: each with where it came from (default, file,
+    /// variable, flag), secrets masked. Takes the service's flags.
+    PrintConfig,
 }
 
 fn main() {
@@ -45,6 +52,11 @@ fn main() {
         omni_runtime::health::settings_or_healthcheck::<Cli, _>(
             "omni-coordinator",
             omni_coordinator::HEALTH_SERVICE,
+            omni_runtime::config::Service {
+                table: "coordinator",
+                env_prefix: "OMNI_COORDINATOR_",
+                not_settings: &[],
+            },
         );
     let telemetry = cfg.telemetry.clone();
     omni_runtime::service_main(

@@ -16,6 +16,9 @@ use omni_cpu_worker::numa::{self, Binding};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// A TOML file whose [cpu_worker] table gives settings (also OMNI_CONFIG); OMNI_CPU_WORKER_<SETTING> variables, then flags, override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     cfg: omni_cpu_worker::service::CpuWorkerConfig,
 }
@@ -34,11 +37,23 @@ enum Command {
         #[arg(long, default_value_t = 3.0)]
         timeout: f64,
     },
+    /// Print the settings this service would run with, as the TOML table of
+    /// its config file: each with where it came from (default, file,
+    /// variable, flag), secrets masked. Takes the service's flags.
+    PrintConfig,
 }
 
 fn main() {
     let cfg: omni_cpu_worker::service::CpuWorkerConfig =
-        omni_runtime::health::settings_or_healthcheck::<Cli, _>("omni-cpu-worker", "");
+        omni_runtime::health::settings_or_healthcheck::<Cli, _>(
+            "omni-cpu-worker",
+            "",
+            omni_runtime::config::Service {
+                table: "cpu_worker",
+                env_prefix: "OMNI_CPU_WORKER_",
+                not_settings: &[],
+            },
+        );
     // Bind before the runtime (or anything else) starts a thread: threads
     // inherit the affinity and memory policy of the thread that makes them.
     let binding = match cfg.numa_node {

@@ -15,6 +15,9 @@ use clap::Parser;
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// A TOML file whose [worker] table gives settings (also OMNI_CONFIG); OMNI_WORKER_<SETTING> variables, then flags, override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     cfg: omni_gpu_worker::WorkerConfig,
 }
@@ -33,11 +36,22 @@ enum Command {
         #[arg(long, default_value_t = 3.0)]
         timeout: f64,
     },
+    /// Print the settings this service would run with, as the TOML table of
+    /// its config file: each with where it came from (default, file,
+    /// variable, flag), secrets masked. Takes the service's flags.
+    PrintConfig,
 }
 
 fn main() {
-    let cfg: omni_gpu_worker::WorkerConfig =
-        omni_runtime::health::settings_or_healthcheck::<Cli, _>("omni-gpu-worker", "");
+    let cfg: omni_gpu_worker::WorkerConfig = omni_runtime::health::settings_or_healthcheck::<Cli, _>(
+        "omni-gpu-worker",
+        "",
+        omni_runtime::config::Service {
+            table: "worker",
+            env_prefix: "OMNI_WORKER_",
+            not_settings: &[omni_telemetry::crash::LAST_EXIT_ENV],
+        },
+    );
     let telemetry = cfg.telemetry.clone();
     let id = cfg.worker_id();
     omni_runtime::service_main(

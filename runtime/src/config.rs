@@ -27,6 +27,9 @@ pub struct Service {
     pub table: &'static str,
     /// `OMNI_COORDINATOR_`, ...
     pub env_prefix: &'static str,
+    /// Variables with the prefix that are not settings (a supervisor's
+    /// word to the process, such as `OMNI_WORKER_LAST_EXIT`).
+    pub not_settings: &'static [&'static str],
 }
 
 /// Where a setting's value came from.
@@ -109,6 +112,9 @@ pub fn merge(
         let Some(key) = var.strip_prefix(service.env_prefix) else {
             continue;
         };
+        if service.not_settings.contains(&var.as_str()) {
+            continue;
+        }
         let key = key.to_ascii_lowercase();
         let s = settings.get(&key).ok_or_else(|| {
             format!(
@@ -154,7 +160,7 @@ fn settings(cmd: &clap::Command) -> BTreeMap<String, Setting> {
     cmd.get_arguments()
         .filter_map(|a| {
             let long = a.get_long()?.to_string();
-            if long == "help" || long == "version" {
+            if long == "help" || long == "version" || long == "config" {
                 return None;
             }
             let switch = matches!(
@@ -287,7 +293,18 @@ pub fn render(
             .get_raw(&id)
             .map(|v| v.map(|x| x.to_string_lossy().to_string()).collect())
             .unwrap_or_default();
-        let source = merged.source(&key);
+        // A variable clap reads itself (a setting's older name) is a source too.
+        let source = match merged.source(&key) {
+            Source::Default
+                if matches.value_source(&id) == Some(clap::parser::ValueSource::EnvVariable) =>
+            {
+                cmd.get_arguments()
+                    .find(|a| a.get_id() == id.as_str())
+                    .and_then(|a| a.get_env())
+                    .map_or(Source::Default, |v| Source::Env(v.to_string_lossy().into()))
+            }
+            s => s,
+        };
         let value = if raw.is_empty() {
             if s.switch {
                 matches.get_flag(&id).to_string()
@@ -341,6 +358,7 @@ mod tests {
     const SVC: Service = Service {
         table: "coordinator",
         env_prefix: "OMNI_COORDINATOR_",
+        not_settings: &["OMNI_COORDINATOR_INTERNAL"],
     };
 
     fn cmd() -> Command {
@@ -443,6 +461,7 @@ mod tests {
         let e = parse(&[], &[("OMNI_COORDINATOR_LISTN", "x")]).unwrap_err();
         assert!(e.contains("OMNI_COORDINATOR_LISTN is not a setting"), "{e}");
         assert!(e.contains("OMNI_COORDINATOR_LISTEN"), "{e}");
+        assert!(parse(&[], &[("OMNI_COORDINATOR_INTERNAL", "x")]).is_ok());
         // Other services' tables and variables are theirs.
         let (_d2, p2) = file("[worker]\nanything = 1\n");
         assert!(parse(
