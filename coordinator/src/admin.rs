@@ -149,7 +149,7 @@ impl tonic::service::Interceptor for Auth {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
         let Some(token) = &self.token else {
             return Err(Status::from(Error::unauthenticated(
-                "admin calls are refused: this coordinator has no admin token (start it with OMNI_ADMIN_TOKEN or --admin-token-file; `omnictl up` makes one)",
+                "admin calls are refused: this coordinator has no admin token (start it with OMNI_COORDINATOR_ADMIN_TOKEN or --admin-token-file; `omnictl up` makes one)",
             )));
         };
         let given = req

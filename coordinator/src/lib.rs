@@ -47,45 +47,42 @@ fn instance_id() -> String {
 /// Inference (its workers registered and loaded): what `healthcheck` asks.
 pub const HEALTH_SERVICE: &str = inference_server::SERVICE_NAME;
 
-/// Settings of the coordinator (flags, or `OMNI_*` variables).
+/// Settings of the coordinator: flags, `OMNI_COORDINATOR_*` variables, or the
+/// `[coordinator]` table of the config file (`omni_runtime::config`).
 #[derive(Clone, Debug, clap::Args)]
 pub struct CoordinatorConfig {
     /// The GGUF model every worker loads its range of.
-    #[arg(long, env = "OMNI_MODEL")]
+    #[arg(long)]
     pub model: PathBuf,
     /// Where Inference, Registry and the results sink listen.
-    #[arg(
-        long,
-        env = "OMNI_COORDINATOR_LISTEN",
-        default_value = "127.0.0.1:7070"
-    )]
+    #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: String,
     /// The address workers use to reach this coordinator, when it differs.
-    #[arg(long, env = "OMNI_COORDINATOR_ADVERTISE")]
+    #[arg(long)]
     pub advertise: Option<String>,
     /// How many workers to wait for before planning.
-    #[arg(long, env = "OMNI_WORKERS", default_value_t = 1)]
+    #[arg(long, default_value_t = 1)]
     pub workers: usize,
     /// How many expert workers (omni-cpu-worker) to wait for as well.
-    #[arg(long, env = "OMNI_CPU_WORKERS", default_value_t = 0)]
+    #[arg(long, default_value_t = 0)]
     pub cpu_workers: usize,
     /// Where MoE routed experts run: auto (with their layer while it fits,
     /// else on the expert workers, layer by layer), device, or cpu (every
     /// MoE layer's experts on the expert workers).
-    #[arg(long, env = "OMNI_EXPERTS", value_enum, default_value_t = ExpertPolicy::Auto)]
+    #[arg(long, value_enum, default_value_t = ExpertPolicy::Auto)]
     pub experts: ExpertPolicy,
     /// Keep the K most used experts of each offloaded layer on its device
     /// worker, chosen from the routing statistics gathered while serving.
-    #[arg(long, env = "OMNI_GPU_EXPERTS", default_value_t = 0)]
+    #[arg(long, default_value_t = 0)]
     pub gpu_experts: u32,
     /// Give up if not every worker registered within this many seconds.
-    #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0)]
     pub register_timeout: f64,
     /// Context length of one sequence.
-    #[arg(long, env = "OMNI_CTX", default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
     /// Sequences resident at once (KV cache slots).
-    #[arg(long, env = "OMNI_SEQS", default_value_t = 8)]
+    #[arg(long, default_value_t = 8)]
     pub seqs: usize,
     /// Micro-batch groups in flight (default: one per compute site, i.e.
     /// per stage, except that stages on the same cores or GPU take turns
@@ -93,77 +90,72 @@ pub struct CoordinatorConfig {
     /// are dealt into them, and each group has one step in the pipeline at
     /// a time; with as many groups as sequences, every sequence runs in
     /// steps of its own (its results then never depend on what else runs).
-    #[arg(long, env = "OMNI_MICRO_BATCHES")]
+    #[arg(long)]
     pub micro_batches: Option<usize>,
     /// Most tokens in one step.
-    #[arg(long, env = "OMNI_UBATCH", default_value_t = 512)]
+    #[arg(long, default_value_t = 512)]
     pub ubatch: usize,
     /// Most prompt tokens in a step that also carries other sequences'
     /// decode tokens (0: up to `--ubatch`). A long prompt is then prefilled
     /// in chunks between decode steps, so the streams already generating
     /// are not held up for the whole prompt; with nothing decoding, prompts
     /// take whole `--ubatch` steps.
-    #[arg(long, env = "OMNI_PREFILL_CHUNK", default_value_t = 256)]
+    #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// Memory left unplanned on every worker (fraction).
-    #[arg(long, env = "OMNI_HEADROOM", default_value_t = 0.10)]
+    #[arg(long, default_value_t = 0.10)]
     pub headroom: f64,
     /// Manual split by proportion, like llama.cpp's --tensor-split (e.g. 3,1).
-    #[arg(
-        long,
-        env = "OMNI_SPLIT",
-        value_delimiter = ',',
-        conflicts_with = "counts"
-    )]
+    #[arg(long, value_delimiter = ',', conflicts_with = "counts")]
     pub split: Option<Vec<f64>>,
     /// Manual split by layer counts per stage (e.g. 12,12).
-    #[arg(long, env = "OMNI_COUNTS", value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',')]
     pub counts: Option<Vec<u32>>,
     /// auto (shared memory where both ends share a host), shm or grpc.
-    #[arg(long, env = "OMNI_TRANSPORT", default_value = "auto")]
+    #[arg(long, default_value = "auto")]
     pub transport: TransportChoice,
     /// Send hidden states as f16 (half the bytes; results change slightly).
-    #[arg(long, env = "OMNI_F16_HIDDEN")]
+    #[arg(long)]
     pub f16_hidden: bool,
     /// A step with no answer for this many seconds means the pipeline is
     /// stuck: the cluster recovers.
-    #[arg(long, env = "OMNI_STEP_TIMEOUT", default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0)]
     pub step_timeout: f64,
     /// How long a lost worker may take to come back (its supervisor
     /// restarts it) before the plan is made again over the others, when
     /// they can hold the model (seconds).
-    #[arg(long, env = "OMNI_REJOIN_TIMEOUT", default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0)]
     pub rejoin_timeout: f64,
     /// How long a recovery may take before the requests in flight are
     /// stopped with the reason; the cluster keeps waiting for its workers
     /// and serves again once they are back (seconds).
-    #[arg(long, env = "OMNI_RECOVERY_TIMEOUT", default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0)]
     pub recovery_timeout: f64,
     /// Most requests waiting for a slot (also while recovering); beyond
     /// it new requests are refused as unavailable (the router's 503).
-    #[arg(long, env = "OMNI_MAX_QUEUE", default_value_t = 256)]
+    #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
     /// How often each worker's health is checked (seconds).
-    #[arg(long, env = "OMNI_HEALTH_INTERVAL", default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0)]
     pub health_interval: f64,
     /// Where the results ring lives.
-    #[arg(long, env = "OMNI_SHM_DIR", default_value = "/dev/shm")]
+    #[arg(long, default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
     /// Prometheus metrics (GET /metrics) listen address.
-    #[arg(long, env = "OMNI_METRICS_LISTEN")]
+    #[arg(long)]
     pub metrics_listen: Option<String>,
     /// Where the admin API (omni.admin.v1) listens: apart from Inference,
     /// so that it can stay off the network clients reach.
-    #[arg(long, env = "OMNI_ADMIN_LISTEN", default_value = "127.0.0.1:7071")]
+    #[arg(long, default_value = "127.0.0.1:7071")]
     pub admin_listen: String,
     /// The token admin calls must carry (`authorization: Bearer ...`);
-    /// without one every admin call is refused. Give it as OMNI_ADMIN_TOKEN
+    /// without one every admin call is refused. Give it as OMNI_COORDINATOR_ADMIN_TOKEN
     /// or --admin-token-file: a flag is visible to every user in `ps`.
-    #[arg(long, env = "OMNI_ADMIN_TOKEN", hide_env_values = true, hide = true)]
+    #[arg(long, hide = true)]
     pub admin_token: Option<String>,
     /// A file holding the admin token (e.g. a compose secret at
     /// /run/secrets/admin_token), instead of --admin-token.
-    #[arg(long, env = "OMNI_ADMIN_TOKEN_FILE")]
+    #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
@@ -272,7 +264,10 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     }
     omni_runtime::warn_secret_flags(
         "omni-coordinator",
-        &[("--admin-token", "OMNI_ADMIN_TOKEN or --admin-token-file")],
+        &[(
+            "--admin-token",
+            "OMNI_COORDINATOR_ADMIN_TOKEN or --admin-token-file",
+        )],
     );
     cfg.admin_token = omni_runtime::value_or_secret_file(
         cfg.admin_token.take(),

@@ -30,43 +30,43 @@ use tonic::{Request, Response, Status, Streaming};
 #[derive(Clone, Debug, clap::Args)]
 pub struct CpuWorkerConfig {
     /// The coordinator's gRPC address (host:port).
-    #[arg(long, env = "OMNI_COORDINATOR")]
+    #[arg(long)]
     pub coordinator: String,
     /// The NUMA node whose cores and memory this worker uses. Without it
     /// (or on a machine with no NUMA nodes) it runs unbound.
-    #[arg(long, env = "OMNI_NUMA_NODE")]
+    #[arg(long)]
     pub numa_node: Option<u32>,
     /// Where this worker listens (port 0 picks a free port).
-    #[arg(long, env = "OMNI_CPU_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+    #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
     /// The address others use to reach this worker, when it differs.
-    #[arg(long, env = "OMNI_CPU_WORKER_ADVERTISE")]
+    #[arg(long)]
     pub advertise: Option<String>,
     /// This worker's name in plans, logs and metrics (default: c-<pid>).
-    #[arg(long, env = "OMNI_CPU_WORKER_ID")]
+    #[arg(long)]
     pub id: Option<String>,
     /// Compute threads (default: every core of the node, or of the process).
-    #[arg(long, env = "OMNI_CPU_WORKER_THREADS")]
+    #[arg(long)]
     pub threads: Option<usize>,
     /// Offer at most this much memory to the planner (e.g. 200GiB or 200GB:
     /// GB = 10^9 bytes, GiB = 2^30). It caps this worker alone: with stage
     /// workers on the CPU of the same host it shares the host's RAM in the
     /// plan (together they get the largest of their offers, not the sum).
-    #[arg(long, env = "OMNI_CPU_WORKER_MEMORY", value_parser = parse_size)]
+    #[arg(long, value_parser = parse_size)]
     pub memory: Option<u64>,
     /// Where the shared-memory rings live.
-    #[arg(long, env = "OMNI_SHM_DIR", default_value = "/dev/shm")]
+    #[arg(long, default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
     /// Prometheus metrics (GET /metrics) listen address.
-    #[arg(long, env = "OMNI_CPU_WORKER_METRICS_LISTEN")]
+    #[arg(long)]
     pub metrics_listen: Option<String>,
     /// Give up if the coordinator cannot be reached for this long (seconds).
-    #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
     /// Compute with this ggml CPU variant (x64, sse42, sandybridge, haswell,
     /// skylakex, icelake, zen4, alderlake, ...) instead of the best one this
     /// CPU runs: a way around a variant that misbehaves here.
-    #[arg(long, env = "OMNI_CPU_VARIANT")]
+    #[arg(long)]
     pub cpu_variant: Option<String>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,

@@ -39,58 +39,58 @@ use tonic::{Request, Response, Status};
 #[derive(Clone, Debug, clap::Args)]
 pub struct WorkerConfig {
     /// The coordinator's gRPC address (host:port).
-    #[arg(long, env = "OMNI_COORDINATOR")]
+    #[arg(long)]
     pub coordinator: String,
     /// Where this worker listens (port 0 picks a free port).
-    #[arg(long, env = "OMNI_WORKER_LISTEN", default_value = "127.0.0.1:0")]
+    #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
     /// The address others use to reach this worker, when it differs from
     /// the listening one (containers, 0.0.0.0).
-    #[arg(long, env = "OMNI_WORKER_ADVERTISE")]
+    #[arg(long)]
     pub advertise: Option<String>,
     /// This worker's name in plans, logs and metrics (default: w-<pid>).
-    #[arg(long, env = "OMNI_WORKER_ID")]
+    #[arg(long)]
     pub id: Option<String>,
     /// The device: `cpu`, or `cuda:N` (GPU N in PCI bus order, as
     /// nvidia-smi numbers them; needs the NVIDIA driver and the CUDA backend
     /// library `scripts/build-cuda` puts beside the binaries).
-    #[arg(long, env = "OMNI_WORKER_DEVICE", default_value = "cpu")]
+    #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Memory of the device not to offer the planner (e.g. 2GiB; a unit is
     /// needed: GB = 10^9 bytes, GiB = 2^30; 0 for none). Default: 1GiB on a
     /// GPU (its CUDA context and cuBLAS workspaces), none on the CPU.
-    #[arg(long, env = "OMNI_WORKER_RESERVE", value_parser = parse_size)]
+    #[arg(long, value_parser = parse_size)]
     pub reserve: Option<u64>,
     /// Compute threads (default: every core this process may use).
-    #[arg(long, env = "OMNI_WORKER_THREADS")]
+    #[arg(long)]
     pub threads: Option<usize>,
     /// Compute with this ggml CPU variant (x64, sse42, sandybridge, haswell,
     /// skylakex, icelake, zen4, alderlake, ...) instead of the best one this
     /// CPU runs: a way around a variant that misbehaves here.
-    #[arg(long, env = "OMNI_CPU_VARIANT")]
+    #[arg(long)]
     pub cpu_variant: Option<String>,
     /// Offer at most this much memory to the planner (e.g. 6GiB or 6GB: GB =
     /// 10^9 bytes, GiB = 2^30). It caps this worker alone: workers on one
     /// host computing on the same memory (its RAM, or one GPU) share one
     /// budget in the plan, the largest of their offers, not the sum.
-    #[arg(long, env = "OMNI_WORKER_MEMORY", value_parser = parse_size)]
+    #[arg(long, value_parser = parse_size)]
     pub memory: Option<u64>,
     /// Where the shared-memory ring lives.
-    #[arg(long, env = "OMNI_SHM_DIR", default_value = "/dev/shm")]
+    #[arg(long, default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
     /// Prometheus metrics (GET /metrics) listen address.
-    #[arg(long, env = "OMNI_WORKER_METRICS_LISTEN")]
+    #[arg(long)]
     pub metrics_listen: Option<String>,
     /// Give up if the coordinator cannot be reached for this long (seconds).
-    #[arg(long, env = "OMNI_REGISTER_TIMEOUT", default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
     /// Fail a step when an expert worker has not answered for this many
     /// seconds (one that dies is noticed at once).
-    #[arg(long, env = "OMNI_EXPERT_TIMEOUT", default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0)]
     pub expert_timeout: f64,
     /// With --gpu-experts (set by the coordinator), re-read the routing
     /// statistics and move the most used experts here every this many steps.
-    #[arg(long, env = "OMNI_EXPERT_RESELECT_STEPS", default_value_t = 32)]
+    #[arg(long, default_value_t = 32)]
     pub expert_reselect_steps: u64,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,

@@ -226,8 +226,15 @@ impl LocalCluster {
         if let Some(e) = &a.experts {
             c.args(["--experts", e]);
         }
-        // The admin token, when set, reaches the coordinator through its
-        // environment (OMNI_ADMIN_TOKEN), never a command line others can read.
+        // The admin token, when set (OMNI_ADMIN_TOKEN, which omnictl's admin
+        // verbs read too), reaches the coordinator through its environment
+        // (OMNI_COORDINATOR_ADMIN_TOKEN), never a command line others can read.
+        if let Some(t) = std::env::var("OMNI_ADMIN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+        {
+            c.env("OMNI_COORDINATOR_ADMIN_TOKEN", t);
+        }
         if let Some(l) = &a.admin_listen {
             c.args(["--admin-listen", l]);
         }

@@ -39,7 +39,10 @@ fn up(model: &std::path::Path, extra: &[&str]) -> Supervised {
     Supervised::start(
         model,
         &args,
-        &[("OMNI_ADMIN_TOKEN", TOKEN), ("OMNI_HEALTH_INTERVAL", "0.5")],
+        &[
+            ("OMNI_ADMIN_TOKEN", TOKEN),
+            ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
+        ],
     )
 }
 

@@ -60,7 +60,10 @@ fn cluster(env: &[(&str, &str)]) -> Supervised {
 /// sequence, one thread per worker, shared memory, health every 0.5 s.
 fn supervised(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
     let mut env = env.to_vec();
-    env.extend([("OMNI_MICRO_BATCHES", "4"), ("OMNI_HEALTH_INTERVAL", "0.5")]);
+    env.extend([
+        ("OMNI_COORDINATOR_MICRO_BATCHES", "4"),
+        ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
+    ]);
     let mut args = args.to_vec();
     args.extend([
         "--ctx",
@@ -176,7 +179,7 @@ fn gemma_streams_survive_kill_9_of_a_middle_stage() {
 /// and after `--rejoin-timeout` the other stage takes all the layers.
 #[test]
 fn a_stopped_worker_is_found_by_its_heartbeat_and_the_others_take_its_layers() {
-    let c = cluster(&[("OMNI_REJOIN_TIMEOUT", "2")]);
+    let c = cluster(&[("OMNI_COORDINATOR_REJOIN_TIMEOUT", "2")]);
     let want = clean_run(&c, requests());
     let mut detected = None;
     let stall = run_through(&c, requests(), &want, "SIGSTOP w1", |c| {
@@ -220,7 +223,10 @@ fn a_stopped_worker_is_found_by_its_heartbeat_and_the_others_take_its_layers() {
 /// again the waiting requests are served, and `/ready` is ready.
 #[test]
 fn while_recovering_requests_queue_to_a_bound_then_get_503_and_ready_says_not_ready() {
-    let c = cluster(&[("OMNI_MAX_QUEUE", "2"), ("OMNI_REJOIN_TIMEOUT", "600")]);
+    let c = cluster(&[
+        ("OMNI_COORDINATOR_MAX_QUEUE", "2"),
+        ("OMNI_COORDINATOR_REJOIN_TIMEOUT", "600"),
+    ]);
     let dir = tempfile::tempdir().unwrap();
     let (_router, api) = start_router(dir.path(), &["--model".into(), format!("tiny={}", c.addr)]);
     let body = serde_json::json!({"model": "tiny", "prompt": [1, 17, 42], "max_tokens": 8, "temperature": 0}).to_string();
