@@ -5,6 +5,5 @@
 //! `service` registers with the coordinator as an expert worker and serves
 //! `omni.worker.v1.Experts`.
 
-mod error;
 pub mod numa;
 pub mod service;

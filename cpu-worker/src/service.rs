@@ -9,7 +9,6 @@
 //! answers back, so calls from several stages are computed one at a time,
 //! each with every core of the node.
 
-use crate::error::ExpertsError;
 use crate::numa::Binding;
 use omni_engine::{ExpertConfig, ExpertStage, ModelFile};
 use omni_proto::coordinator::v1::WorkerKind;
@@ -17,6 +16,7 @@ use omni_proto::worker::v1::{
     experts_server, Frame, Inventory, LoadExpertsReply, LoadExpertsRequest, OpenShmReply,
     OpenShmRequest,
 };
+use omni_runtime::WorkerError;
 use omni_transport::experts::{accept_shm, decode_request, encode_reply, ring_bytes};
 use omni_transport::shm::ShmError;
 use std::path::PathBuf;
@@ -254,7 +254,7 @@ impl Worker {
     fn load(&self, req: LoadExpertsRequest) -> Result<LoadExpertsReply, Status> {
         let t = Instant::now();
         let fail = |e: &dyn std::fmt::Display| {
-            Status::from(ExpertsError::refused(format!(
+            Status::from(WorkerError::refused(format!(
                 "expert worker {}: {e}",
                 self.id
             )))
@@ -293,7 +293,7 @@ impl Worker {
         std::thread::Builder::new()
             .name("experts".into())
             .spawn(move || compute_loop(stage, n_embd, rx, stats))
-            .map_err(|e| Status::from(ExpertsError::internal(e.to_string())))?;
+            .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?;
         *self.loaded.lock().unwrap() = Some(Loaded {
             jobs: tx,
             ring: ring_bytes(n_ubatch, n_embd, n_used),
@@ -436,7 +436,7 @@ impl experts_server::Experts for Svc {
         let req = req.into_inner();
         tokio::task::spawn_blocking(move || w.load(req))
             .await
-            .map_err(|e| Status::from(ExpertsError::internal(e.to_string())))?
+            .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?
             .map(Response::new)
     }
 
@@ -447,7 +447,7 @@ impl experts_server::Experts for Svc {
         let req = req.into_inner();
         let w = self.0.clone();
         let reply = req.reply.ok_or_else(|| {
-            Status::from(ExpertsError::bad_request(
+            Status::from(WorkerError::bad_request(
                 "OpenShm needs the caller's reply ring",
             ))
         })?;
@@ -458,7 +458,7 @@ impl experts_server::Experts for Svc {
             .as_ref()
             .map(|l| l.ring)
             .ok_or_else(|| {
-                Status::from(ExpertsError::refused(format!(
+                Status::from(WorkerError::refused(format!(
                     "expert worker {} has no experts loaded",
                     w.id
                 )))
@@ -466,7 +466,7 @@ impl experts_server::Experts for Svc {
         let n = w.sessions.fetch_add(1, Ordering::Relaxed);
         let name = format!("omni-{}-{}-session-{n}", w.id, std::process::id());
         let (mut rx, mut tx, ep) = accept_shm(&reply, &w.cfg.shm_dir, &name, ring)
-            .map_err(|e| Status::from(ExpertsError::refused(e.to_string())))?;
+            .map_err(|e| Status::from(WorkerError::refused(e.to_string())))?;
         let client = req.client;
         tracing::info!("{client} computes experts here over shared memory ({name})");
         let stop = w.stop.clone();
@@ -498,7 +498,7 @@ impl experts_server::Experts for Svc {
                 }
                 tracing::info!("expert session of {client} ended");
             })
-            .map_err(|e| Status::from(ExpertsError::internal(e.to_string())))?;
+            .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?;
         Ok(Response::new(OpenShmReply { requests: Some(ep) }))
     }
 

@@ -9,12 +9,10 @@
 mod metrics;
 mod moves;
 
-mod error;
 pub mod exec;
 pub mod experts;
 pub mod inventory;
 
-use error::WorkerError;
 use exec::{Exec, ExecStats, Phase};
 use experts::RemoteExperts;
 use omni_engine::model::ModelFile;
@@ -28,6 +26,7 @@ use omni_proto::worker::v1::{
     WireRequest,
 };
 use omni_runtime::registry::{listen, register, serve_while_coordinator_lives};
+use omni_runtime::WorkerError;
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;

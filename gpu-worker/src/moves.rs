@@ -2,13 +2,13 @@
 //! the switch, the commit or rollback, the reset.
 
 use super::*;
-use crate::error::WorkerError;
 use omni_engine::stage::LayerRange;
 use omni_engine::stage::Stage;
 use omni_proto::worker::v1::FinishReply;
 use omni_proto::worker::v1::PrepareReply;
 use omni_proto::worker::v1::PrepareRequest;
 use omni_proto::worker::v1::ResetReply;
+use omni_runtime::WorkerError;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 use tonic::Status;

@@ -12,6 +12,8 @@ pub mod metrics;
 pub mod registry;
 pub mod secrets;
 mod service;
+mod worker_error;
 
 pub use secrets::{read_secret, value_or_secret_file, warn_secret_flags};
 pub use service::{forget_empty_settings, probe_addr, service_main, shutdown_signal};
+pub use worker_error::WorkerError;

@@ -1,6 +1,7 @@
-//! The Worker service's errors and their one conversion to a `tonic::Status`
-//! with details (`omni_proto::errors`), so the coordinator can tell a worker
-//! that refuses a request from one that cannot reach its neighbours.
+//! A worker's errors (the gpu-worker's Worker service and the cpu-worker's
+//! Experts service) and their one conversion to a `tonic::Status` with
+//! details (`omni_proto::errors`), so the coordinator can tell a worker that
+//! refuses a request from one that cannot reach its neighbours.
 
 use omni_proto::errors::{self, Reason};
 use tonic::{Code, Status};
@@ -11,10 +12,11 @@ pub enum WorkerError {
     #[error("{0}")]
     Unavailable(String),
     /// Not possible in this worker's state (nothing loaded, a move it is not
-    /// part of, a range it cannot hold).
+    /// part of, layers it cannot hold).
     #[error("{0}")]
     Refused(String),
-    /// A request that is malformed (a switch without its header).
+    /// A request that is malformed (a switch without its header, OpenShm
+    /// without the caller's ring).
     #[error("{0}")]
     BadRequest(String),
     #[error("{0}")]
