@@ -262,19 +262,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     if cfg.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
-    omni_runtime::warn_secret_flags(
-        "omni-coordinator",
-        &[(
-            "--admin-token",
-            "OMNI_COORDINATOR_ADMIN_TOKEN or --admin-token-file",
-        )],
-    );
-    cfg.admin_token = omni_runtime::value_or_secret_file(
-        cfg.admin_token.take(),
-        cfg.admin_token_file.as_deref(),
-        "the admin token (--admin-token / --admin-token-file)",
-    )
-    .map_err(anyhow::Error::msg)?;
+    start::resolve_admin_token(&mut cfg)?;
     let (model, tokenizer, template) = start::open_model(&cfg)?;
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
@@ -308,17 +296,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     }
 
     // 1. Workers.
-    let (mut workers, mut expert_workers) = start::wait_for_workers(&cfg, &mut reg_rx).await?;
-    shared.recovery.know(
-        &workers
-            .iter()
-            .chain(&expert_workers)
-            .cloned()
-            .collect::<Vec<_>>(),
-    );
-    *shared.registering.lock().unwrap() = false;
-    workers.sort_by(|a, b| a.id.cmp(&b.id));
-    expert_workers.sort_by(|a, b| a.id.cmp(&b.id));
+    let (workers, expert_workers) = start::wait_for_workers(&cfg, &shared, &mut reg_rx).await?;
 
     // 2. Plan, before anything is loaded.
     let sites: Vec<pipeline::Site> = workers.iter().map(pipeline::Site::of).collect();

@@ -35,6 +35,7 @@ use omni_transport::Inbox;
 /// came). Workers past the count are told nothing and stay idle.
 pub(crate) async fn wait_for_workers(
     cfg: &CoordinatorConfig,
+    shared: &Shared,
     registrations: &mut mpsc::UnboundedReceiver<Registered>,
 ) -> anyhow::Result<(Vec<Registered>, Vec<Registered>)> {
     let deadline = Instant::now() + Duration::from_secs_f64(cfg.register_timeout);
@@ -66,7 +67,36 @@ pub(crate) async fn wait_for_workers(
         );
         list.push(w);
     }
+    shared.recovery.know(
+        &workers
+            .iter()
+            .chain(&expert_workers)
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
+    *shared.registering.lock().unwrap() = false;
+    workers.sort_by(|a, b| a.id.cmp(&b.id));
+    expert_workers.sort_by(|a, b| a.id.cmp(&b.id));
     Ok((workers, expert_workers))
+}
+
+/// The admin token from --admin-token or --admin-token-file, warning when
+/// it was given on the command line.
+pub(crate) fn resolve_admin_token(cfg: &mut CoordinatorConfig) -> anyhow::Result<()> {
+    omni_runtime::warn_secret_flags(
+        "omni-coordinator",
+        &[(
+            "--admin-token",
+            "OMNI_COORDINATOR_ADMIN_TOKEN or --admin-token-file",
+        )],
+    );
+    cfg.admin_token = omni_runtime::value_or_secret_file(
+        cfg.admin_token.take(),
+        cfg.admin_token_file.as_deref(),
+        "the admin token (--admin-token / --admin-token-file)",
+    )
+    .map_err(anyhow::Error::msg)?;
+    Ok(())
 }
 
 fn too_few_registered(
