@@ -10,7 +10,7 @@ use clap::Parser;
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
-// Parsed by `settings_or_healthcheck`: the service's required flags are
+// Parsed by `omni_runtime::start`: the service's required flags are
 // only required when no subcommand is given.
 struct Cli {
     #[command(subcommand)]
@@ -23,24 +23,12 @@ struct Cli {
 }
 
 #[derive(clap::Subcommand)]
-#[allow(dead_code)] // read by name in settings_or_healthcheck
+#[allow(dead_code)] // read by name in omni_runtime::start
 enum Command {
     /// Probe a running coordinator (exit 0 when its Inference service is
     /// SERVING: workers registered, the model loaded): the container health
     /// check, which needs no shell and no curl.
-    Healthcheck {
-        /// The coordinator's address [default: its --listen /
-        /// OMNI_COORDINATOR_LISTEN, 0.0.0.0 as 127.0.0.1].
-        #[arg(
-            long,
-            env = "OMNI_COORDINATOR_LISTEN",
-            default_value = "127.0.0.1:7070"
-        )]
-        addr: String,
-        /// Seconds to wait for the answer.
-        #[arg(long, default_value_t = 3.0)]
-        timeout: f64,
-    },
+    Healthcheck(omni_runtime::start::HealthcheckArgs),
     /// Print the settings this service would run with, as the TOML table of
     /// its config file: each with where it came from (default, file,
     /// variable, flag), secrets masked. Takes the service's flags.
@@ -49,13 +37,14 @@ enum Command {
 
 fn main() {
     let cfg: omni_coordinator::CoordinatorConfig =
-        omni_runtime::health::settings_or_healthcheck::<Cli, _>(
+        omni_runtime::start::settings_or_healthcheck::<Cli, _>(
             "omni-coordinator",
             omni_coordinator::HEALTH_SERVICE,
             omni_runtime::config::Service {
                 table: "coordinator",
                 env_prefix: "OMNI_COORDINATOR_",
                 not_settings: &[],
+                structured: &[],
             },
         );
     let telemetry = cfg.telemetry.clone();

@@ -11,7 +11,7 @@ use omni_cpu_worker::numa::{self, Binding};
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
-// Parsed by `settings_or_healthcheck`: the service's required flags are
+// Parsed by `omni_runtime::start`: the service's required flags are
 // only required when no subcommand is given.
 struct Cli {
     #[command(subcommand)]
@@ -24,19 +24,11 @@ struct Cli {
 }
 
 #[derive(clap::Subcommand)]
-#[allow(dead_code)] // read by name in settings_or_healthcheck
+#[allow(dead_code)] // read by name in omni_runtime::start
 enum Command {
     /// Probe a running expert worker's gRPC health (exit 0 when SERVING):
     /// the container health check, which needs no shell and no curl.
-    Healthcheck {
-        /// The worker's address [default: its --listen /
-        /// OMNI_CPU_WORKER_LISTEN, 0.0.0.0 as 127.0.0.1].
-        #[arg(long, env = "OMNI_CPU_WORKER_LISTEN", default_value = "127.0.0.1:0")]
-        addr: String,
-        /// Seconds to wait for the answer.
-        #[arg(long, default_value_t = 3.0)]
-        timeout: f64,
-    },
+    Healthcheck(omni_runtime::start::HealthcheckArgs),
     /// Print the settings this service would run with, as the TOML table of
     /// its config file: each with where it came from (default, file,
     /// variable, flag), secrets masked. Takes the service's flags.
@@ -45,13 +37,14 @@ enum Command {
 
 fn main() {
     let cfg: omni_cpu_worker::service::CpuWorkerConfig =
-        omni_runtime::health::settings_or_healthcheck::<Cli, _>(
+        omni_runtime::start::settings_or_healthcheck::<Cli, _>(
             "omni-cpu-worker",
             "",
             omni_runtime::config::Service {
                 table: "cpu_worker",
                 env_prefix: "OMNI_CPU_WORKER_",
                 not_settings: &[],
+                structured: &[],
             },
         );
     // Bind before the runtime (or anything else) starts a thread: threads

@@ -10,7 +10,7 @@ use clap::Parser;
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
-// Parsed by `settings_or_healthcheck`: the service's required flags are
+// Parsed by `omni_runtime::start`: the service's required flags are
 // only required when no subcommand is given.
 struct Cli {
     #[command(subcommand)]
@@ -23,19 +23,11 @@ struct Cli {
 }
 
 #[derive(clap::Subcommand)]
-#[allow(dead_code)] // read by name in settings_or_healthcheck
+#[allow(dead_code)] // read by name in omni_runtime::start
 enum Command {
     /// Probe a running worker's gRPC health (exit 0 when SERVING): the
     /// container health check, which needs no shell and no curl.
-    Healthcheck {
-        /// The worker's address [default: its --listen / OMNI_WORKER_LISTEN,
-        /// 0.0.0.0 as 127.0.0.1].
-        #[arg(long, env = "OMNI_WORKER_LISTEN", default_value = "127.0.0.1:0")]
-        addr: String,
-        /// Seconds to wait for the answer.
-        #[arg(long, default_value_t = 3.0)]
-        timeout: f64,
-    },
+    Healthcheck(omni_runtime::start::HealthcheckArgs),
     /// Print the settings this service would run with, as the TOML table of
     /// its config file: each with where it came from (default, file,
     /// variable, flag), secrets masked. Takes the service's flags.
@@ -43,13 +35,14 @@ enum Command {
 }
 
 fn main() {
-    let cfg: omni_gpu_worker::WorkerConfig = omni_runtime::health::settings_or_healthcheck::<Cli, _>(
+    let cfg: omni_gpu_worker::WorkerConfig = omni_runtime::start::settings_or_healthcheck::<Cli, _>(
         "omni-gpu-worker",
         "",
         omni_runtime::config::Service {
             table: "worker",
             env_prefix: "OMNI_WORKER_",
             not_settings: &[omni_telemetry::crash::LAST_EXIT_ENV],
+            structured: &[],
         },
     );
     let telemetry = cfg.telemetry.clone();

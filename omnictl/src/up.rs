@@ -317,10 +317,17 @@ impl LocalCluster {
                     "--model",
                     &format!("{name}={},{},default", a.listen, a.model),
                 ]);
-            // Keys reach the router as a file or through the environment
-            // it inherits (OMNI_API_KEYS), never its command line.
+            // Keys reach the router as a file or through its environment
+            // (OMNI_API_KEYS here, the router's OMNI_ROUTER_API_KEY), never
+            // its command line.
             if let Some(f) = &a.api_key_file {
                 r.arg("--api-keys-file").arg(f);
+            }
+            if let Some(k) = std::env::var("OMNI_API_KEYS")
+                .ok()
+                .filter(|k| !k.is_empty())
+            {
+                r.env("OMNI_ROUTER_API_KEY", k);
             }
             traced(&mut r);
             cluster.add("router", r)?;

@@ -1,7 +1,8 @@
-//! The router's settings, merged in this order (later wins): defaults, the
-//! `[router]` table of the config file (`--config`, `OMNI_CONFIG`, or
-//! `./omni.toml` when it exists), `OMNI_ROUTER_*` variables, flags; then
-//! [`RouterSettings::validate`]. `omni-router print-config` shows the result.
+//! The router's settings, through the chain every service shares
+//! ([`omni_runtime::config`]): defaults, the `[router]` table of the config
+//! file (`--config`, `OMNI_CONFIG`, or `./omni.toml` when it exists),
+//! `OMNI_ROUTER_<KEY>` variables, flags; then [`RouterSettings::validate`].
+//! `omni-router print-config` shows the result.
 //!
 //! ```toml
 //! [router]
@@ -19,38 +20,32 @@
 //! upstream_model = "qwen2.5-coder"
 //! ```
 //!
-//! Secrets (`api_keys`, an upstream's `api_key`) are better given through
-//! the environment (`OMNI_API_KEYS`, `OMNI_UPSTREAM_KEYS`) or a file
-//! (`OMNI_API_KEYS_FILE`, e.g. a compose secret) than written in the
+//! Every flag is a key of the table and a variable: `--max-in-flight` is
+//! `max_in_flight` and `OMNI_ROUTER_MAX_IN_FLIGHT`. The one key that is no
+//! flag is `models`, the tables above; `model`/`upstream` specs (flags,
+//! `OMNI_ROUTER_MODEL`, ...) replace them. Secrets (`api_key`, an
+//! upstream's key) are better given through the environment
+//! (`OMNI_ROUTER_API_KEY`, `OMNI_ROUTER_UPSTREAM_KEY`) or a file
+//! (`OMNI_ROUTER_API_KEYS_FILE`, e.g. a compose secret) than written in the
 //! config file; `print-config` masks them.
 
 use crate::backends;
-use figment::providers::{Format, Serialized, Toml};
-use figment::Figment;
+use omni_runtime::config::{Merged, Service};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-/// Every environment variable the router reads, in one place.
-pub mod env {
-    pub const CONFIG: &str = "OMNI_CONFIG";
-    pub const LISTEN: &str = "OMNI_ROUTER_LISTEN";
-    pub const MODELS: &str = "OMNI_ROUTER_MODELS";
-    pub const UPSTREAMS: &str = "OMNI_ROUTER_UPSTREAMS";
-    pub const UPSTREAM_KEYS: &str = "OMNI_UPSTREAM_KEYS";
-    pub const AUTO: &str = "OMNI_ROUTER_AUTO";
-    pub const API_KEYS: &str = "OMNI_API_KEYS";
-    pub const API_KEYS_FILE: &str = "OMNI_API_KEYS_FILE";
-    pub const MAX_IN_FLIGHT: &str = "OMNI_ROUTER_MAX_IN_FLIGHT";
-    pub const BODY_LIMIT: &str = "OMNI_ROUTER_BODY_LIMIT";
-}
-
-/// The file read when neither `--config` nor `OMNI_CONFIG` names one.
-pub const DEFAULT_FILE: &str = "omni.toml";
+/// The router's place in the chain: its table, its variables, and the key
+/// it reads itself.
+pub const SERVICE: Service = Service {
+    table: "router",
+    env_prefix: "OMNI_ROUTER_",
+    not_settings: &[],
+    structured: &["models"],
+};
 
 /// What the router runs with, after merging.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RouterSettings {
     /// Where the HTTP API listens.
     pub listen: String,
@@ -68,22 +63,7 @@ pub struct RouterSettings {
     /// Largest request body in bytes; beyond it, 413.
     pub body_limit: usize,
     /// OTLP/HTTP base URL for traces; none: no traces.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub otlp_endpoint: Option<String>,
-}
-
-impl Default for RouterSettings {
-    fn default() -> RouterSettings {
-        RouterSettings {
-            listen: "127.0.0.1:8080".into(),
-            models: Vec::new(),
-            auto: Vec::new(),
-            api_keys: Vec::new(),
-            max_in_flight: 64,
-            body_limit: 4 << 20,
-            otlp_endpoint: None,
-        }
-    }
 }
 
 /// One served model: a coordinator of an omni cluster, or an upstream
@@ -101,86 +81,60 @@ pub struct ModelEntry {
     /// The upstream's name for the model (default: `name`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_model: Option<String>,
-    /// The key the upstream wants (also `OMNI_UPSTREAM_KEYS=NAME=KEY`).
+    /// The key the upstream wants (also `--upstream-key NAME=KEY`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub aliases: Vec<String>,
 }
 
-/// The router's command line (flags, or the variables in [`env`]).
-#[derive(Clone, Debug, Default, clap::Args)]
+/// The router's settings as flags (each also a key of the `[router]` table
+/// and an `OMNI_ROUTER_<KEY>` variable).
+#[derive(Clone, Debug, clap::Args)]
 pub struct RouterConfig {
-    /// A config file with a [router] table (default: ./omni.toml when it
-    /// exists).
-    #[arg(long, env = env::CONFIG)]
-    pub config: Option<PathBuf>,
-    /// Where the HTTP API listens [default: 127.0.0.1:8080].
-    #[arg(long, env = env::LISTEN)]
-    pub listen: Option<String>,
-    /// A served model: NAME=COORDINATOR_ADDR[,ALIAS...] (repeatable), e.g.
-    /// `gemma3-270m=127.0.0.1:7070,gemma`. Models given here replace the
-    /// file's.
-    #[arg(long = "model", env = env::MODELS, value_delimiter = ';')]
+    /// Where the HTTP API listens.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// A served model: NAME=COORDINATOR_ADDR[,ALIAS...] (repeatable, or
+    /// ';'-separated), e.g. `gemma3-270m=127.0.0.1:7070,gemma`. Models given
+    /// here replace the config file's [[router.models]].
+    #[arg(long = "model", value_delimiter = ';')]
     pub models: Vec<String>,
     /// An upstream OpenAI-compatible server: NAME=URL[#UPSTREAM_MODEL][,ALIAS...]
     /// (repeatable), e.g. `big=http://10.0.0.5:8080/v1#deepseek-r1,deepseek`.
-    #[arg(long = "upstream", env = env::UPSTREAMS, value_delimiter = ';')]
+    #[arg(long = "upstream", value_delimiter = ';')]
     pub upstreams: Vec<String>,
-    /// Keys for upstreams: NAME=KEY (repeatable).
-    #[arg(long = "upstream-key", env = env::UPSTREAM_KEYS, value_delimiter = ';')]
+    /// Keys for upstreams: NAME=KEY (repeatable, or ';'-separated).
+    #[arg(long = "upstream-key", value_delimiter = ';')]
     pub upstream_keys: Vec<String>,
     /// Rules for the model name `auto`, tried in order:
     /// `prompt_chars>2000=big;keyword:code=qwen;default=gemma`. Without a
     /// default rule, `auto` falls back to the first model.
-    #[arg(long, env = env::AUTO)]
-    pub auto: Option<String>,
+    #[arg(long, value_delimiter = ';')]
+    pub auto: Vec<String>,
     /// API keys clients must send as `Authorization: Bearer KEY`
     /// (comma-separated); none means no authentication. Better as
-    /// OMNI_API_KEYS or --api-keys-file: a flag shows in `ps`.
-    #[arg(long = "api-key", env = env::API_KEYS, value_delimiter = ',')]
+    /// OMNI_ROUTER_API_KEY or --api-keys-file: a flag shows in `ps`.
+    #[arg(long = "api-key", value_delimiter = ',')]
     pub api_keys: Vec<String>,
     /// A file of API keys (one per line, or comma-separated), e.g. a
     /// compose secret at /run/secrets/api_keys; added to --api-key's.
-    #[arg(long = "api-keys-file", env = env::API_KEYS_FILE)]
+    #[arg(long = "api-keys-file")]
     pub api_keys_file: Option<PathBuf>,
-    /// Requests served at once; beyond it, 429 with Retry-After [default: 64].
-    #[arg(long, env = env::MAX_IN_FLIGHT)]
-    pub max_in_flight: Option<usize>,
-    /// Largest request body in bytes; beyond it, 413 [default: 4194304].
-    #[arg(long, env = env::BODY_LIMIT)]
-    pub body_limit: Option<usize>,
+    /// Requests served at once; beyond it, 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_in_flight: usize,
+    /// Largest request body in bytes; beyond it, 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub body_limit: usize,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
 
-/// What the command line sets: only what was given, so that it overrides
-/// the file key by key.
-#[derive(Serialize)]
-struct Overrides {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    listen: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    models: Option<Vec<ModelEntry>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    auto: Option<Vec<String>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    api_keys: Option<Vec<String>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    max_in_flight: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    body_limit: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    otlp_endpoint: Option<String>,
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("config file {path}: {source}")]
-    File {
-        path: PathBuf,
-        source: Box<figment::Error>,
-    },
+    #[error("config file {path}: [[router.models]]: {why}")]
+    File { path: PathBuf, why: String },
     #[error("{0}")]
     Flag(String),
     #[error("invalid router settings: {0}")]
@@ -188,19 +142,8 @@ pub enum ConfigError {
 }
 
 impl RouterConfig {
-    /// The file to read, if any: the one named, or ./omni.toml if present.
-    fn file(&self) -> Result<Option<PathBuf>, ConfigError> {
-        match &self.config {
-            Some(p) if !p.exists() => Err(ConfigError::Flag(format!(
-                "config file {} does not exist",
-                p.display()
-            ))),
-            Some(p) => Ok(Some(p.clone())),
-            None => Ok(Some(PathBuf::from(DEFAULT_FILE)).filter(|p| p.exists())),
-        }
-    }
-
-    fn overrides(&self) -> Result<Overrides, ConfigError> {
+    /// The models the specs (`--model`, `--upstream`) give.
+    fn spec_models(&self) -> Result<Vec<ModelEntry>, ConfigError> {
         let mut models = Vec::new();
         for spec in &self.models {
             let (name, addr, aliases) = parse_spec("--model", spec)?;
@@ -225,13 +168,43 @@ impl RouterConfig {
                 ..Default::default()
             });
         }
+        Ok(models)
+    }
+
+    /// The file's `[[router.models]]` tables, if it has them.
+    fn file_models(merged: &Merged) -> Result<Vec<ModelEntry>, ConfigError> {
+        let Some(value) = merged.structured.get("models") else {
+            return Ok(Vec::new());
+        };
+        value
+            .clone()
+            .try_into::<Vec<ModelEntry>>()
+            .map_err(|e| ConfigError::File {
+                path: merged.file.clone().unwrap_or_default(),
+                why: e.message().trim().to_string(),
+            })
+    }
+
+    /// Whether the models come from the config file's tables (no spec
+    /// was given).
+    pub fn models_from_file(&self) -> bool {
+        self.models.is_empty() && self.upstreams.is_empty()
+    }
+
+    /// The settings, from what the chain parsed (`merged` holds the file's
+    /// model tables), validated.
+    pub fn settings(&self, merged: &Merged) -> Result<RouterSettings, ConfigError> {
+        let mut models = self.spec_models()?;
+        if self.models_from_file() {
+            models = Self::file_models(merged)?;
+        }
         let from_file = match &self.api_keys_file {
             Some(f) => {
                 omni_runtime::read_secret(f, "--api-keys-file").map_err(ConfigError::Flag)?
             }
             None => String::new(),
         };
-        let keys: Vec<String> = self
+        let api_keys: Vec<String> = self
             .api_keys
             .iter()
             .flat_map(|k| k.split(','))
@@ -239,45 +212,21 @@ impl RouterConfig {
             .map(|k| k.trim().to_string())
             .filter(|k| !k.is_empty())
             .collect();
-        Ok(Overrides {
+        let mut s = RouterSettings {
             listen: self.listen.clone(),
-            models: (!models.is_empty()).then_some(models),
-            auto: self.auto.as_ref().map(|a| {
-                a.split(';')
-                    .map(str::trim)
-                    .filter(|r| !r.is_empty())
-                    .map(String::from)
-                    .collect()
-            }),
-            api_keys: (!keys.is_empty()).then_some(keys),
+            models,
+            auto: self
+                .auto
+                .iter()
+                .map(|r| r.trim())
+                .filter(|r| !r.is_empty())
+                .map(String::from)
+                .collect(),
+            api_keys,
             max_in_flight: self.max_in_flight,
             body_limit: self.body_limit,
             otlp_endpoint: self.telemetry.otlp_endpoint.clone(),
-        })
-    }
-
-    /// Merges defaults, the file, the environment and the flags, and
-    /// validates the result.
-    pub fn settings(&self) -> Result<RouterSettings, ConfigError> {
-        // Figment profiles: the defaults are the default profile, the
-        // file's [router] table the selected one, the flags global (which
-        // wins over both).
-        let mut fig = Figment::from(Serialized::defaults(RouterSettings::default()));
-        let file = self.file()?;
-        if let Some(path) = &file {
-            fig = fig.merge(Toml::file_exact(path).nested());
-        }
-        let mut s: RouterSettings = fig
-            .merge(Serialized::globals(self.overrides()?))
-            .select("router")
-            .extract()
-            .map_err(|e| match &file {
-                Some(path) => ConfigError::File {
-                    path: path.clone(),
-                    source: Box::new(e),
-                },
-                None => ConfigError::Invalid(e.to_string()),
-            })?;
+        };
         for k in &self.upstream_keys {
             let (name, key) = k.split_once('=').ok_or_else(|| {
                 ConfigError::Flag(format!("--upstream-key '{}': expected NAME=KEY", mask(k)))
@@ -392,42 +341,90 @@ impl RouterSettings {
         backends::parse_auto(&self.auto.join(";")).map_err(ConfigError::Invalid)
     }
 
-    /// The settings as TOML (a `[router]` table), secrets masked.
-    pub fn to_toml(&self) -> String {
-        let mut s = self.clone();
-        for k in &mut s.api_keys {
-            *k = "***".into();
-        }
-        for m in &mut s.models {
+    /// The served models as the config file's `[[router.models]]` tables,
+    /// keys masked: what `print-config` adds to the chain's table when the
+    /// models come from the file.
+    pub fn models_toml(&self) -> String {
+        let mut models = self.models.clone();
+        for m in &mut models {
             if m.api_key.is_some() {
                 m.api_key = Some("***".into());
             }
         }
         #[derive(Serialize)]
-        struct File {
-            router: RouterSettings,
+        struct Router {
+            models: Vec<ModelEntry>,
         }
-        toml::to_string_pretty(&File { router: s }).expect("settings serialize to TOML")
+        #[derive(Serialize)]
+        struct File {
+            router: Router,
+        }
+        toml::to_string_pretty(&File {
+            router: Router { models },
+        })
+        .expect("model entries serialize to TOML")
     }
 }
 
-/// Reads settings from a file alone (tests and tools).
-pub fn from_file(path: &Path) -> Result<RouterSettings, ConfigError> {
-    RouterConfig {
-        config: Some(path.to_path_buf()),
-        ..Default::default()
+/// What `omni-router print-config` prints: the chain's `[router]` table
+/// (each setting with its source), and the models' tables when they come
+/// from the file.
+pub fn print_config(table: &str, cfg: &RouterConfig, settings: &RouterSettings) -> String {
+    let mut out = table.trim_end().to_string();
+    out.push('\n');
+    if cfg.models_from_file() {
+        out.push('\n');
+        out.push_str(&settings.models_toml());
     }
-    .settings()
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
+    use std::ffi::OsString;
+
+    /// The binary's command line without its subcommands.
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        cfg: RouterConfig,
+    }
+
+    /// What the router would run with for `argv` and `env`, and what
+    /// print-config would print.
+    fn parse(argv: &[&str], env: &[(&str, &str)]) -> Result<(RouterSettings, String), String> {
+        let argv: Vec<OsString> = argv.iter().map(OsString::from).collect();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let p = omni_runtime::start::parse::<RouterConfig>(
+            "omni-router",
+            Cli::command(),
+            SERVICE,
+            &argv,
+            &env,
+            true,
+        )
+        .map_err(|e| e.to_string())?;
+        let cfg = p.settings.ok_or("no settings")?;
+        let s = cfg.settings(&p.merged).map_err(|e| e.to_string())?;
+        let shown = print_config(p.print.as_deref().unwrap_or(""), &cfg, &s);
+        Ok((s, shown))
+    }
 
     fn write(text: &str) -> tempfile::NamedTempFile {
         let f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
         std::fs::write(f.path(), text).unwrap();
         f
+    }
+
+    fn from_file(path: &std::path::Path) -> Result<RouterSettings, String> {
+        parse(&["--config", path.to_str().unwrap()], &[]).map(|(s, _)| s)
     }
 
     const FILE: &str = r#"
@@ -450,6 +447,7 @@ upstream_model = "qwen2.5-coder"
     #[test]
     fn the_file_gives_backends_and_flags_override_it() {
         let f = write(FILE);
+        let path = f.path().to_str().unwrap();
         let s = from_file(f.path()).unwrap();
         assert_eq!(s.listen, "0.0.0.0:9000");
         assert_eq!(s.max_in_flight, 8);
@@ -459,58 +457,95 @@ upstream_model = "qwen2.5-coder"
         assert_eq!(s.models[1].upstream_model.as_deref(), Some("qwen2.5-coder"));
         assert_eq!(s.auto_rules().unwrap().len(), 2);
 
-        let cli = RouterConfig {
-            config: Some(f.path().to_path_buf()),
-            max_in_flight: Some(3),
-            upstream_keys: vec!["qwen=sk-up".into()],
-            ..Default::default()
-        };
-        let s = cli.settings().unwrap();
-        assert_eq!(s.max_in_flight, 3, "a flag wins over the file");
+        let (s, _) = parse(&["--config", path], &[("OMNI_ROUTER_MAX_IN_FLIGHT", "5")]).unwrap();
+        assert_eq!(s.max_in_flight, 5, "a variable wins over the file");
+        let (s, shown) = parse(
+            &[
+                "--config",
+                path,
+                "--max-in-flight",
+                "3",
+                "--upstream-key",
+                "qwen=sk-up",
+            ],
+            &[("OMNI_ROUTER_MAX_IN_FLIGHT", "5")],
+        )
+        .unwrap();
+        assert_eq!(s.max_in_flight, 3, "a flag wins over the variable");
         assert_eq!(s.listen, "0.0.0.0:9000", "the file wins over defaults");
         assert_eq!(s.models[1].api_key.as_deref(), Some("sk-up"));
-        let shown = s.to_toml();
         assert!(
             shown.contains("api_key = \"***\"") && !shown.contains("sk-up"),
             "{shown}"
         );
+        assert!(shown.contains("max_in_flight = 3  # flag"), "{shown}");
+        assert!(shown.contains("[[router.models]]"), "{shown}");
         // What print-config shows reads back as the same settings.
-        let again = write(&shown.replace("\"***\"", "\"sk-up\""));
+        assert!(
+            shown.contains("upstream_key = \"qwen=***\"  # flag"),
+            "{shown}"
+        );
+        let again = write(
+            &shown
+                .replace("\"***\"", "\"sk-up\"")
+                .replace("=***\"", "=sk-up\""),
+        );
         assert_eq!(from_file(again.path()).unwrap(), s);
 
-        let cli = RouterConfig {
-            config: Some(f.path().to_path_buf()),
-            models: vec!["gemma=127.0.0.1:7070,g".into()],
-            auto: Some("default=gemma".into()),
-            ..Default::default()
-        };
-        let s = cli.settings().unwrap();
+        let (s, shown) = parse(
+            &[
+                "--config",
+                path,
+                "--model",
+                "gemma=127.0.0.1:7070,g",
+                "--auto",
+                "default=gemma",
+            ],
+            &[],
+        )
+        .unwrap();
         assert_eq!(
             s.models.len(),
             1,
             "models given as flags replace the file's"
         );
         assert_eq!(s.models[0].coordinator.as_deref(), Some("127.0.0.1:7070"));
+        assert!(!shown.contains("[[router.models]]"), "{shown}");
+        let again = write(&shown);
+        assert_eq!(from_file(again.path()).unwrap(), s);
+        // Specs come from the environment as well.
+        let (s, _) = parse(&[], &[("OMNI_ROUTER_MODEL", "a=h:1;b=h:2")]).unwrap();
+        assert_eq!(s.models.len(), 2);
     }
 
     #[test]
     fn api_keys_come_from_a_file_too() {
         let f = write("sk-one\nsk-two, sk-three\n");
-        let cli = RouterConfig {
-            models: vec!["m=127.0.0.1:7070".into()],
-            api_keys: vec!["sk-flag".into()],
-            api_keys_file: Some(f.path().to_path_buf()),
-            ..Default::default()
-        };
-        let s = cli.settings().unwrap();
+        let (s, shown) = parse(
+            &[
+                "--model",
+                "m=127.0.0.1:7070",
+                "--api-key",
+                "sk-flag",
+                "--api-keys-file",
+                f.path().to_str().unwrap(),
+            ],
+            &[],
+        )
+        .unwrap();
         assert_eq!(s.api_keys, ["sk-flag", "sk-one", "sk-two", "sk-three"]);
+        assert!(!shown.contains("sk-flag"), "{shown}");
         let empty = write("\n");
-        let cli = RouterConfig {
-            models: vec!["m=127.0.0.1:7070".into()],
-            api_keys_file: Some(empty.path().to_path_buf()),
-            ..Default::default()
-        };
-        let e = cli.settings().unwrap_err().to_string();
+        let e = parse(
+            &[
+                "--model",
+                "m=127.0.0.1:7070",
+                "--api-keys-file",
+                empty.path().to_str().unwrap(),
+            ],
+            &[],
+        )
+        .unwrap_err();
         assert!(
             e.contains("--api-keys-file") && e.contains("is empty"),
             "{e}"
@@ -519,15 +554,23 @@ upstream_model = "qwen2.5-coder"
 
     #[test]
     fn mistakes_are_named() {
-        let err = |text: &str| from_file(write(text).path()).unwrap_err().to_string();
+        let err = |text: &str| from_file(write(text).path()).unwrap_err();
         let e = err("[router]\nlisten = \"x\"\nmodles = []\n");
-        assert!(e.contains("modles"), "{e}");
+        assert!(
+            e.contains("[router] has no setting `modles` (did you mean `model"),
+            "{e}"
+        );
         let e = err("[router]\nmax_in_flight = \"many\"\n");
-        assert!(e.contains("max_in_flight"), "{e}");
+        assert!(e.contains("--max-in-flight") && e.contains("many"), "{e}");
         let e = err("[router]\n");
         assert!(e.contains("no models"), "{e}");
         let e = err("[[router.models]]\nname = \"a\"\n");
         assert!(e.contains("needs a coordinator"), "{e}");
+        let e = err("[[router.models]]\nname = \"a\"\ncoordinatr = \"h:1\"\n");
+        assert!(
+            e.contains("[[router.models]]") && e.contains("coordinatr"),
+            "{e}"
+        );
         let e = err(
             "[[router.models]]\nname = \"a\"\ncoordinator = \"h:1\"\n[[router.models]]\nname = \"b\"\ncoordinator = \"h:2\"\naliases = [\"a\"]\n",
         );
@@ -535,24 +578,15 @@ upstream_model = "qwen2.5-coder"
         let e = err("[router]\nauto = [\"default=nope\"]\n[[router.models]]\nname = \"a\"\ncoordinator = \"h:1\"\n");
         assert!(e.contains("'nope'"), "{e}");
         let e = err("[router\n");
-        assert!(e.contains("config file"), "{e}");
-        let missing = RouterConfig {
-            config: Some("/nonexistent/omni.toml".into()),
-            ..Default::default()
-        };
-        assert!(missing
-            .settings()
-            .unwrap_err()
-            .to_string()
-            .contains("does not exist"));
-        let flag = RouterConfig {
-            models: vec!["nameonly".into()],
-            ..Default::default()
-        };
-        assert!(flag
-            .settings()
-            .unwrap_err()
-            .to_string()
-            .contains("--model 'nameonly'"));
+        assert!(e.contains("not valid TOML"), "{e}");
+        let e = from_file(std::path::Path::new("/nonexistent/omni.toml")).unwrap_err();
+        assert!(e.contains("cannot read the config file"), "{e}");
+        let e = parse(&["--model", "nameonly"], &[]).unwrap_err();
+        assert!(e.contains("--model 'nameonly'"), "{e}");
+        let e = parse(&[], &[("OMNI_ROUTER_MODELS", "a=h:1")]).unwrap_err();
+        assert!(
+            e.contains("OMNI_ROUTER_MODELS is not a setting") && e.contains("OMNI_ROUTER_MODEL?"),
+            "{e}"
+        );
     }
 }

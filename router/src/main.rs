@@ -1,64 +1,64 @@
 //! `omni-router`: the OpenAI-compatible HTTP API.
 
 use clap::Parser;
-use omni_router::RouterConfig;
+use omni_router::config::{print_config, RouterConfig, SERVICE};
 
 #[derive(Parser)]
 #[command(
     name = "omni-router",
     version,
     about = "omni router: the OpenAI API in front of omni coordinators",
-    // `print-config` takes the flags itself: `omni-router print-config --config F`.
     args_conflicts_with_subcommands = true
 )]
+// Parsed by `omni_runtime::start`.
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// A TOML file whose [router] table gives settings (also OMNI_CONFIG, else ./omni.toml when there is one); OMNI_ROUTER_<SETTING> variables, then flags, override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     cfg: RouterConfig,
 }
 
 #[derive(clap::Subcommand)]
+#[allow(dead_code)] // read by name in omni_runtime::start
 enum Command {
-    /// Print the merged settings (defaults, config file, environment,
-    /// flags) as TOML, secrets masked, and exit.
-    PrintConfig(RouterConfig),
+    /// Print the settings this service would run with, as the TOML table of
+    /// its config file: each with where it came from (default, file,
+    /// variable, flag), secrets masked. Takes the service's flags.
+    PrintConfig,
     /// Ask the running router's GET /ready (exit 0 on 200: every cluster
     /// backend serves): the container health check, which needs no shell
-    /// and no curl. The address is the merged `listen` setting (0.0.0.0 as
-    /// 127.0.0.1), unless --url names one.
+    /// and no curl.
     Healthcheck {
         #[command(flatten)]
-        cfg: RouterConfig,
+        args: omni_runtime::start::HealthcheckArgs,
         /// The URL to ask instead, e.g. http://127.0.0.1:8080/ready.
         #[arg(long)]
         url: Option<String>,
-        /// Seconds to wait for the answer.
-        #[arg(long, default_value_t = 5.0)]
-        timeout: f64,
     },
 }
 
 fn main() {
-    omni_runtime::forget_empty_settings();
     omni_runtime::warn_secret_flags(
         "omni-router",
-        &[("--api-key", "OMNI_API_KEYS or --api-keys-file")],
+        &[("--api-key", "OMNI_ROUTER_API_KEY or --api-keys-file")],
     );
-    let cli = Cli::parse();
-    let (cfg, print) = match cli.command {
-        Some(Command::PrintConfig(cfg)) => (cfg, true),
-        Some(Command::Healthcheck { cfg, url, timeout }) => {
-            std::process::exit(healthcheck(cfg, url, timeout))
-        }
-        None => (cli.cfg, false),
+    let parsed =
+        omni_runtime::start::start::<Cli, RouterConfig>("omni-router", SERVICE, healthcheck);
+    // The router requires no setting, so there are settings to check even
+    // for print-config.
+    let Some(cfg) = &parsed.settings else {
+        eprintln!("omni-router: error: the settings are incomplete");
+        std::process::exit(2)
     };
-    let settings = cfg.settings().unwrap_or_else(|e| {
+    let settings = cfg.settings(&parsed.merged).unwrap_or_else(|e| {
         eprintln!("omni-router: error: {e}");
         std::process::exit(2)
     });
-    if print {
-        println!("{}", settings.to_toml().trim_end());
+    if let Some(table) = &parsed.print {
+        print!("{}", print_config(table, cfg, &settings));
         return;
     }
     let telemetry = omni_telemetry::TelemetryArgs {
@@ -68,22 +68,20 @@ fn main() {
 }
 
 /// GET /ready on the running router; the exit status of `healthcheck`.
-fn healthcheck(cfg: RouterConfig, url: Option<String>, timeout: f64) -> i32 {
-    let url = match url {
-        Some(u) => u,
-        None => {
-            let addr = cfg
-                .settings()
-                .map_err(|e| e.to_string())
-                .and_then(|s| omni_runtime::probe_addr(&s.listen));
-            match addr {
-                Ok(a) => format!("http://{a}/ready"),
-                Err(e) => {
-                    eprintln!("omni-router healthcheck: {e}");
-                    return 2;
-                }
+/// `listen` is the router's address (`--addr`, else its `listen` setting).
+fn healthcheck(listen: &str, m: &clap::ArgMatches) -> i32 {
+    let timeout = *m
+        .get_one::<f64>("timeout")
+        .expect("--timeout has a default");
+    let url = match m.get_one::<String>("url") {
+        Some(u) => u.clone(),
+        None => match omni_runtime::probe_addr(listen) {
+            Ok(a) => format!("http://{a}/ready"),
+            Err(e) => {
+                eprintln!("omni-router healthcheck: {e}");
+                return 2;
             }
-        }
+        },
     };
     let Ok(wait) = std::time::Duration::try_from_secs_f64(timeout) else {
         eprintln!("omni-router healthcheck: --timeout {timeout} is not a number of seconds");

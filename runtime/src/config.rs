@@ -30,6 +30,10 @@ pub struct Service {
     /// Variables with the prefix that are not settings (a supervisor's
     /// word to the process, such as `OMNI_WORKER_LAST_EXIT`).
     pub not_settings: &'static [&'static str],
+    /// Keys of the table that are no flag but structured values the service
+    /// reads itself (the router's `[[router.models]]`): handed over as they
+    /// are in [`Merged::structured`].
+    pub structured: &'static [&'static str],
 }
 
 /// Where a setting's value came from.
@@ -58,6 +62,10 @@ impl fmt::Display for Source {
 pub struct Merged {
     pub argv: Vec<OsString>,
     sources: BTreeMap<String, Source>,
+    /// The config file read, if any.
+    pub file: Option<PathBuf>,
+    /// The file's values of the service's [`Service::structured`] keys.
+    pub structured: toml::Table,
 }
 
 impl Merged {
@@ -70,10 +78,15 @@ impl Merged {
 /// The chain's own flag: which file to read (also `OMNI_CONFIG`).
 pub const CONFIG_FLAG: &str = "--config";
 
+/// The file read when neither `--config` nor `OMNI_CONFIG` names one, if it
+/// exists in the working directory.
+pub const DEFAULT_FILE: &str = "omni.toml";
+
 /// Gathers the layers for `cmd` (the service's command, or its subcommand
 /// that serves) from `argv` (without the program name), `env` (the
 /// process's variables) and the file `argv`'s `--config` or `OMNI_CONFIG`
-/// names; `--config` is taken out of the returned argv.
+/// names (else `./omni.toml` when there is one); `--config` is taken out of
+/// the returned argv.
 pub fn merge(
     cmd: &clap::Command,
     service: Service,
@@ -100,13 +113,22 @@ pub fn merge(
             rest.push(a.clone());
         }
     }
-    let mut layered: Vec<OsString> = Vec::new();
+    if file.is_none() {
+        file = Some(PathBuf::from(DEFAULT_FILE)).filter(|p| p.is_file());
+    }
+    // Each layer replaces a setting's values from the layers before it
+    // (a list too: a list flag replaces the file's list, it does not add
+    // to it).
+    let mut layered: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut sources = BTreeMap::new();
+    let mut structured = toml::Table::new();
     if let Some(path) = &file {
-        for (id, values) in file_layer(path, service, &settings)? {
-            push(&mut layered, &settings[&id], &values);
+        let (flat, rest) = file_layer(path, service, &settings)?;
+        for (id, values) in flat {
+            layered.insert(id.clone(), values);
             sources.insert(id, Source::File(path.clone()));
         }
+        structured = rest;
     }
     for (var, value) in env {
         let Some(key) = var.strip_prefix(service.env_prefix) else {
@@ -116,41 +138,59 @@ pub fn merge(
             continue;
         }
         let key = key.to_ascii_lowercase();
-        let s = settings.get(&key).ok_or_else(|| {
-            format!(
+        if !settings.contains_key(&key) {
+            return Err(format!(
                 "{var} is not a setting of this service{}",
-                nearest(&key, &settings)
+                nearest(&key, settings.keys().map(String::as_str))
                     .map(|n| format!(
                         " (did you mean {}{}?)",
                         service.env_prefix,
                         n.to_ascii_uppercase()
                     ))
                     .unwrap_or_default()
-            )
-        })?;
-        push(&mut layered, s, std::slice::from_ref(value));
+            ));
+        }
+        layered.insert(key.clone(), vec![value.clone()]);
         sources.insert(key, Source::Env(var.clone()));
     }
     for a in &rest {
-        let s = a.to_string_lossy();
-        if let Some(flag) = s.strip_prefix("--") {
-            let name = flag.split('=').next().unwrap_or(flag).replace('-', "_");
-            if settings.contains_key(&name) {
-                sources.insert(name, Source::Flag);
-            }
+        if let Some(key) = flag_key(&a.to_string_lossy(), &settings) {
+            layered.remove(&key);
+            sources.insert(key, Source::Flag);
         }
     }
-    layered.extend(rest);
+    let mut argv = Vec::new();
+    for (key, values) in &layered {
+        push(&mut argv, &settings[key], values);
+    }
+    argv.extend(rest);
     Ok(Merged {
-        argv: layered,
+        argv,
         sources,
+        file,
+        structured,
     })
+}
+
+/// The setting a command-line word gives (`--long`, `--long=V`, `-s`,
+/// `-sV`), if it is one.
+fn flag_key(word: &str, settings: &BTreeMap<String, Setting>) -> Option<String> {
+    if let Some(flag) = word.strip_prefix("--") {
+        let key = flag.split('=').next().unwrap_or(flag).replace('-', "_");
+        return settings.contains_key(&key).then_some(key);
+    }
+    let short = word.strip_prefix('-')?.chars().next()?;
+    settings
+        .iter()
+        .find(|(_, s)| s.short == Some(short))
+        .map(|(k, _)| k.clone())
 }
 
 /// A setting as the chain sees it: its long flag, and whether it takes a
 /// value (a switch is given by its flag alone) and how many.
 struct Setting {
     long: String,
+    short: Option<char>,
     switch: bool,
     delimiter: Option<char>,
 }
@@ -171,6 +211,7 @@ fn settings(cmd: &clap::Command) -> BTreeMap<String, Setting> {
                 long.replace('-', "_"),
                 Setting {
                     long,
+                    short: a.get_short(),
                     switch,
                     delimiter: a.get_value_delimiter(),
                 },
@@ -194,20 +235,23 @@ fn push(out: &mut Vec<OsString>, s: &Setting, values: &[String]) {
     out.push(format!("--{}={joined}", s.long).into());
 }
 
-/// The service's table of the file, as values per key. Tables of other
-/// services are left alone; a key of this one that is no setting is an error.
+/// The service's table of the file, as values per key, and its structured
+/// keys as they are. Tables of other services are left alone; a key of
+/// this one that is neither a setting nor structured is an error.
+type FileLayer = (Vec<(String, Vec<String>)>, toml::Table);
+
 fn file_layer(
     path: &Path,
     service: Service,
     settings: &BTreeMap<String, Setting>,
-) -> Result<Vec<(String, Vec<String>)>, String> {
+) -> Result<FileLayer, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the config file {}: {e}", path.display()))?;
     let doc: toml::Table = text
         .parse()
         .map_err(|e| format!("{} is not valid TOML: {e}", path.display()))?;
     let Some(table) = doc.get(service.table) else {
-        return Ok(Vec::new());
+        return Ok(Default::default());
     };
     let table = table.as_table().ok_or_else(|| {
         format!(
@@ -217,15 +261,26 @@ fn file_layer(
         )
     })?;
     let mut out = Vec::new();
+    let mut structured = toml::Table::new();
     for (key, value) in table {
+        if service.structured.contains(&key.as_str()) {
+            structured.insert(key.clone(), value.clone());
+            continue;
+        }
         if !settings.contains_key(key) {
             return Err(format!(
                 "{}: [{}] has no setting `{key}`{}",
                 path.display(),
                 service.table,
-                nearest(key, settings)
-                    .map(|n| format!(" (did you mean `{n}`?)"))
-                    .unwrap_or_default()
+                nearest(
+                    key,
+                    settings
+                        .keys()
+                        .map(String::as_str)
+                        .chain(service.structured.iter().copied())
+                )
+                .map(|n| format!(" (did you mean `{n}`?)"))
+                .unwrap_or_default()
             ));
         }
         let values = match value {
@@ -235,7 +290,7 @@ fn file_layer(
         .map_err(|why| format!("{}: [{}] {key}: {why}", path.display(), service.table))?;
         out.push((key.clone(), values));
     }
-    Ok(out)
+    Ok((out, structured))
 }
 
 fn scalar(v: &toml::Value) -> Result<String, String> {
@@ -249,13 +304,13 @@ fn scalar(v: &toml::Value) -> Result<String, String> {
 }
 
 /// The setting whose key is closest to `key`, if one is close.
-fn nearest<'a>(key: &str, settings: &'a BTreeMap<String, Setting>) -> Option<&'a str> {
-    settings
-        .keys()
+fn nearest<'a>(key: &str, names: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    names
+        .into_iter()
         .map(|k| (strsim_distance(key, k), k))
         .filter(|(d, k)| *d <= 2.max(k.len() / 4))
         .min()
-        .map(|(_, k)| k.as_str())
+        .map(|(_, k)| k)
 }
 
 /// Levenshtein distance (small strings: setting names).
@@ -313,7 +368,18 @@ pub fn render(
                 continue;
             }
         } else if is_secret(&key) {
-            "\"***\"".to_string()
+            // A NAME=SECRET value keeps its name: which upstream has a key.
+            let masked: Vec<String> = raw
+                .iter()
+                .map(|r| match r.split_once('=') {
+                    Some((name, _)) => toml_literal(&format!("{name}=***")),
+                    None => "\"***\"".to_string(),
+                })
+                .collect();
+            match masked.as_slice() {
+                [one] => one.clone(),
+                many => format!("[{}]", many.join(", ")),
+            }
         } else if raw.len() == 1 {
             toml_literal(&raw[0])
         } else {
@@ -359,6 +425,7 @@ mod tests {
         table: "coordinator",
         env_prefix: "OMNI_COORDINATOR_",
         not_settings: &["OMNI_COORDINATOR_INTERNAL"],
+        structured: &["models"],
     };
 
     fn cmd() -> Command {
@@ -445,6 +512,17 @@ mod tests {
         .unwrap();
         assert_eq!(m.get_one::<u32>("ctx"), Some(&512));
         assert_eq!(src.source("ctx"), Source::Flag);
+        // A list given again replaces the list before it.
+        let (m, _) = parse(
+            &["--config", p, "--counts", "1"],
+            &[("OMNI_COORDINATOR_COUNTS", "7,7,7")],
+        )
+        .unwrap();
+        let counts: Vec<u32> = m.get_many::<u32>("counts").unwrap().copied().collect();
+        assert_eq!(counts, [1]);
+        let (m, _) = parse(&["--config", p], &[("OMNI_COORDINATOR_COUNTS", "7,7,7")]).unwrap();
+        let counts: Vec<u32> = m.get_many::<u32>("counts").unwrap().copied().collect();
+        assert_eq!(counts, [7, 7, 7]);
         let (m, src) = parse(&[], &[]).unwrap();
         assert_eq!(m.get_one::<u32>("ctx"), Some(&4096));
         assert_eq!(src.source("ctx"), Source::Default);

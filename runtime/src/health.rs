@@ -1,7 +1,7 @@
 //! gRPC health (`grpc.health.v1`): the probe the coordinator runs on its
-//! workers, and the `healthcheck` subcommand every gRPC service binary has
-//! for container health checks (exec form, so it works in an image with no
-//! shell and no curl).
+//! workers, and what the `healthcheck` subcommand of every gRPC service
+//! binary runs for container health checks (exec form, so it works in an
+//! image with no shell and no curl; see [`crate::start`]).
 
 use std::time::Duration;
 use tonic_health::pb::{
@@ -85,59 +85,6 @@ pub fn healthcheck_main(what: &str, listen: &str, service: &str, wait_secs: f64)
             1
         }
     }
-}
-
-/// The start of `main` for a gRPC service binary `what` whose command
-/// line `C` has a `healthcheck` and a `print-config` subcommand: forgets
-/// empty settings; `healthcheck` runs the probe of `service` and exits;
-/// otherwise the settings are gathered through the chain (`svc`'s table of
-/// the config file, `OMNI_<SERVICE>_*` variables, flags; see
-/// [`crate::config`]) and either printed (`print-config`, then exit) or
-/// returned as `T`. A service's required flags are only required when it
-/// is to run.
-pub fn settings_or_healthcheck<C, T>(what: &str, service: &str, svc: crate::config::Service) -> T
-where
-    C: clap::CommandFactory,
-    T: clap::FromArgMatches,
-{
-    crate::forget_empty_settings();
-    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    let first = args.first().and_then(|a| a.to_str()).unwrap_or("");
-    if matches!(
-        first,
-        "healthcheck" | "help" | "-h" | "--help" | "-V" | "--version"
-    ) {
-        let matches = C::command().get_matches();
-        if let Some(("healthcheck", m)) = matches.subcommand() {
-            let addr = m.get_one::<String>("addr").expect("--addr has a default");
-            let timeout = *m
-                .get_one::<f64>("timeout")
-                .expect("--timeout has a default");
-            std::process::exit(healthcheck_main(what, addr, service, timeout));
-        }
-        std::process::exit(0);
-    }
-    let printing = first == "print-config";
-    let rest = if printing { &args[1..] } else { &args[..] };
-    let env: Vec<(String, String)> = std::env::vars().collect();
-    let mut cmd = C::command().args_override_self(true);
-    if printing {
-        cmd = cmd.mut_args(|a| a.required(false));
-    }
-    let merged = crate::config::merge(&cmd, svc, rest, &env).unwrap_or_else(|e| {
-        eprintln!("{what}: {e}");
-        std::process::exit(2)
-    });
-    let argv = std::iter::once(std::ffi::OsString::from(what)).chain(merged.argv.iter().cloned());
-    let matches = cmd
-        .clone()
-        .try_get_matches_from(argv)
-        .unwrap_or_else(|e| e.exit());
-    if printing {
-        print!("{}", crate::config::render(&cmd, svc, &matches, &merged));
-        std::process::exit(0);
-    }
-    T::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut C::command()).exit())
 }
 
 #[cfg(test)]

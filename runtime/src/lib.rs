@@ -1,5 +1,6 @@
 //! What every omni service process shares around its own work: its settings
-//! ([`config`]: defaults, file, environment, flags), the `main`
+//! ([`config`]: defaults, file, environment, flags; [`start`]: the command
+//! line with `print-config` and `healthcheck`), the `main`
 //! ([`service_main`]: logs and traces, a runtime, Ctrl-C and SIGTERM),
 //! secrets from files ([`secrets`]), the `healthcheck` subcommand and the
 //! health probe ([`health`]), the `/metrics` listener ([`metrics`]), and
@@ -12,6 +13,7 @@ pub mod metrics;
 pub mod registry;
 pub mod secrets;
 mod service;
+pub mod start;
 mod worker_error;
 
 pub use secrets::{read_secret, value_or_secret_file, warn_secret_flags};

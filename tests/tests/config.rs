@@ -49,6 +49,10 @@ listen = "0.0.0.0:50061"
 
 [router]
 listen = "0.0.0.0:8081"
+
+[[router.models]]
+name = "gemma"
+coordinator = "127.0.0.1:9070"
 "#;
 
 #[test]
@@ -78,6 +82,13 @@ fn every_service_reads_its_table_then_its_variables_then_its_flags() {
             ("listen", "\"0.0.0.0:50061\""),
             ("OMNI_CPU_WORKER_THREADS", "threads", "4"),
             ("--listen", "listen", "\"127.0.0.1:1\""),
+        ),
+        (
+            "omni-router",
+            "[router]",
+            ("listen", "\"0.0.0.0:8081\""),
+            ("OMNI_ROUTER_MAX_IN_FLIGHT", "max_in_flight", "9"),
+            ("--body-limit", "body_limit", "4096"),
         ),
     ];
     for (
@@ -119,14 +130,25 @@ fn every_service_reads_its_table_then_its_variables_then_its_flags() {
     assert!(ok);
     assert!(out.contains("admin_token = \"***\""), "{out}");
     assert!(!out.contains("hunter2"), "{out}");
-    // The router has the same chain (its own implementation of it).
+    // The router's models come from the file's tables, or from specs that
+    // replace them.
+    let (ok, out, err) = print_config("omni-router", &["--config", &file], &[]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("[[router.models]]") && out.contains("coordinator = \"127.0.0.1:9070\""),
+        "{out}"
+    );
     let (ok, out, err) = print_config(
         "omni-router",
-        &["--config", &file, "--model", "gemma=127.0.0.1:7070"],
-        &[],
+        &["--config", &file],
+        &[("OMNI_ROUTER_MODEL", "qwen=127.0.0.1:7071")],
     );
     assert!(ok, "{err}");
-    assert!(out.contains("0.0.0.0:8081"), "{out}");
+    assert!(
+        out.contains("model = \"qwen=127.0.0.1:7071\"  # $OMNI_ROUTER_MODEL")
+            && !out.contains("[[router.models]]"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -136,6 +158,7 @@ fn an_unknown_key_or_variable_is_refused_by_name() {
         ("omni-coordinator", "coordinator", "ctxx", "ctx"),
         ("omni-gpu-worker", "worker", "thread", "threads"),
         ("omni-cpu-worker", "cpu_worker", "lisen", "listen"),
+        ("omni-router", "router", "max_inflight", "max_in_flight"),
     ] {
         let file = write(dir.path(), &format!("[{table}]\n{key} = 1\n"));
         let (ok, _, err) = print_config(name, &["--config", &file], &[]);

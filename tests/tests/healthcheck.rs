@@ -76,11 +76,20 @@ fn healthchecks_say_what_serves() {
     let (code, out) = healthcheck("omni-gpu-worker", &[], &[("OMNI_WORKER_LISTEN", &wildcard)]);
     assert_eq!(code, 0, "{out}");
 
+    // ... or from the config file's table of the service.
+    let file = dir.path().join("omni.toml");
+    std::fs::write(&file, format!("[worker]\nlisten = \"{wildcard}\"\n")).unwrap();
+    let (code, out) = healthcheck(
+        "omni-gpu-worker",
+        &["--config", file.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}");
+
     let model_flag = format!("gemma3-270m={}", c.addr);
-    let (router, addr) = start_router(dir.path(), &["--model".into(), model_flag.clone()]);
+    let (router, addr) = start_router(dir.path(), &["--model".into(), model_flag]);
     // The router's check finds its address in its own settings.
-    let router_check = ["--listen", &addr, "--model", &model_flag];
-    let out = wait_for("omni-router", &router_check, &[], 0);
+    let out = wait_for("omni-router", &[], &[("OMNI_ROUTER_LISTEN", &addr)], 0);
     assert!(out.contains("ready"), "{out}");
 
     // w1 dies: its check fails, the cluster recovers (it waits for w1), and
