@@ -1,7 +1,8 @@
 //! omnictl: the admin console and local launcher. `fetch` a test model,
 //! `generate` text (in this process, or through a cluster with
 //! `--coordinator`), `bench` prefill/decode speed, `plan` a split without
-//! loading anything, and `up` a local cluster.
+//! loading anything, `up` a local cluster, `split` and `merge` models in
+//! llama.cpp's gguf-split layout.
 
 mod admin;
 mod bench;
@@ -13,6 +14,7 @@ mod generate;
 mod plan;
 pub mod reference;
 mod remote;
+mod split;
 mod top;
 mod up;
 
@@ -54,6 +56,10 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Start a local cluster (a coordinator and N workers) and supervise it.
     Up(up::UpArgs),
+    /// Cut a model into parts in llama.cpp's gguf-split layout (PREFIX-00001-of-0000N.gguf, ...).
+    Split(split::SplitArgs),
+    /// Join a split model's parts into one GGUF file.
+    Merge(split::MergeArgs),
     /// List a running cluster's workers: memory, what they hold, KV cache, step time, health (admin API).
     Workers(admin::WorkersArgs),
     /// A live terminal view of a running cluster: layers, tokens/s, step time, memory (admin API).
@@ -87,6 +93,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Up(args) => up::run(args),
+        Command::Split(args) => split::split(&args),
+        Command::Merge(args) => split::merge(&args),
         Command::Workers(args) => admin::workers(&args),
         Command::Top(args) => top::run(&args),
         Command::Rebalance(args) => admin::rebalance(&args),

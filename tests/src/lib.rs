@@ -798,3 +798,26 @@ impl Drop for Supervised {
         self.proc.wait_exit(Duration::from_secs(15));
     }
 }
+
+/// The single-process engine's greedy tokens (`n_gen` each, not stopping
+/// at end of generation) for each prompt: what a cluster must return.
+pub fn engine_tokens(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Vec<u32>> {
+    let cfg = omni_engine::StageConfig {
+        kv: omni_engine::KvConfig {
+            n_ctx: 1024,
+            n_seq: 1,
+        },
+        n_threads: 2,
+        ..omni_engine::StageConfig::default()
+    };
+    let mut e = omni_engine::Engine::load(model, None, cfg).unwrap();
+    let opts = omni_engine::GenerateOptions {
+        max_tokens: n_gen,
+        stop_at_eog: false,
+        ..omni_engine::GenerateOptions::default()
+    };
+    prompts
+        .iter()
+        .map(|p| e.generate(p, &opts, &mut |_| {}).unwrap().ids)
+        .collect()
+}

@@ -8,7 +8,6 @@
 //! model, a missing worker, a worker that dies — ends with a clear message
 //! in bounded time.
 
-use omni_engine::{Engine, GenerateOptions, StageConfig};
 use omni_proto::coordinator::v1::{generate_request::Prompt, GenerateRequest};
 use omni_tests::fixtures::{fixtures_dir, json, model, GEMMA, QWEN};
 use omni_tests::{greedy, ids, short_prompts, Cluster, ClusterSpec};
@@ -27,24 +26,7 @@ const N_GEN: usize = 16;
 
 /// The single-process engine's greedy tokens for each prompt.
 fn reference(model_file: &str, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
-    let cfg = StageConfig {
-        kv: omni_engine::KvConfig {
-            n_ctx: 1024,
-            n_seq: 1,
-        },
-        n_threads: 2,
-        ..StageConfig::default()
-    };
-    let mut e = Engine::load(model(model_file), None, cfg).unwrap();
-    let opts = GenerateOptions {
-        max_tokens: N_GEN,
-        stop_at_eog: false,
-        ..GenerateOptions::default()
-    };
-    prompts
-        .iter()
-        .map(|p| e.generate(p, &opts, &mut |_| {}).unwrap().ids)
-        .collect()
+    omni_tests::engine_tokens(&model(model_file), prompts, N_GEN)
 }
 
 fn check_cluster_matches_engine(model_file: &str, fixture: &str) {

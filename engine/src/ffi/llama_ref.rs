@@ -20,8 +20,10 @@ pub fn greedy(
     // llama.cpp computes with the CPU backend this process loaded (it loads
     // none itself while one is registered).
     super::ggml::cpu()?;
+    // A split model is loaded from its first part.
+    let first = crate::gguf::split::first_part(path);
     let c_path =
-        CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| "path has a NUL byte")?;
+        CString::new(first.as_os_str().as_encoded_bytes()).map_err(|_| "path has a NUL byte")?;
     let n_ctx = (prompt.len() + n_gen + 64).next_multiple_of(256) as u32;
     // SAFETY: llama.cpp's documented load / decode / free sequence; every
     // pointer is checked before use and freed on every path.

@@ -24,7 +24,9 @@ impl Vocab {
     /// validated the file (architecture, keys) with our own reader.
     pub fn load(path: &Path) -> Result<Vocab, String> {
         super::ggml::init_logging();
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+        // A split model is loaded from its first part.
+        let first = crate::gguf::split::first_part(path);
+        let c_path = CString::new(first.as_os_str().as_encoded_bytes())
             .map_err(|_| "path contains a NUL byte".to_string())?;
         // SAFETY: default params from llama.cpp, then only plain fields changed.
         let model = unsafe {

@@ -11,6 +11,7 @@
 //! [`GgufError`] naming what was wrong, where, and the limit it broke; it never panics.
 
 mod parse;
+pub mod split;
 mod types;
 
 use memmap2::Mmap;
@@ -19,6 +20,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 pub use types::{GgmlType, TensorInfo, Value};
 
 /// Architectures the engine can run; pass to [`Gguf::check_architecture`].
@@ -134,6 +136,8 @@ pub enum GgufError {
         expected: &'static str,
         found: String,
     },
+    #[error("split model part {}: {why}", path.display())]
+    SplitPart { path: PathBuf, why: String },
     #[error("model architecture '{arch}' is not supported; supported: {supported}")]
     UnsupportedArchitecture { arch: String, supported: String },
 }
@@ -155,18 +159,60 @@ impl Backing {
     }
 }
 
-/// A parsed, validated GGUF file.
+/// Maps `file` (read-only) for reading.
+fn map(file: &File, path: &Path) -> Result<Backing> {
+    // SAFETY: the file is opened read-only and the mapping is only ever read. Mmap is unsafe
+    // because another process could modify or truncate the file while it is mapped; model
+    // files are treated as immutable, and changing one while it is loaded is the user's
+    // responsibility (as with llama.cpp, which maps model files the same way).
+    unsafe { Mmap::map(file) }
+        .map(Backing::Mmap)
+        .map_err(|source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// One file of a model: the only one, or a part of a split model. A part
+/// is mapped when its tensors' bytes are first asked for, so a process
+/// maps only the parts that hold the tensors it uses.
+struct Part {
+    /// `None` for a file held in memory ([`Gguf::from_bytes`]).
+    path: Option<PathBuf>,
+    file: Option<File>,
+    size: u64,
+    bytes: OnceLock<Backing>,
+}
+
+impl Part {
+    fn bytes(&self) -> Result<&[u8]> {
+        if let Some(b) = self.bytes.get() {
+            return Ok(b.bytes());
+        }
+        let (Some(file), Some(path)) = (&self.file, &self.path) else {
+            return Ok(&[]);
+        };
+        let mapped = map(file, path)?;
+        Ok(self.bytes.get_or_init(|| mapped).bytes())
+    }
+}
+
+/// A parsed, validated GGUF model: one file, or every part of a split one
+/// (see [`split`]), read as one.
 pub struct Gguf {
-    backing: Backing,
+    parts: Vec<Part>,
     header: Header,
 }
 
-/// Everything parsed from the header, kept apart from `backing` because parsing borrows it.
+/// Everything parsed from the header, kept apart from the bytes because parsing borrows them.
+/// For a split model: the first part's metadata and every part's tensors.
 struct Header {
     version: u32,
     alignment: u64,
     data_offset: u64,
     metadata: Vec<(String, Value)>,
+    /// Where each metadata entry lies in the (first) file, as it is encoded.
+    kv_spans: Vec<std::ops::Range<usize>>,
     key_index: HashMap<String, usize>,
     tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
@@ -177,6 +223,7 @@ impl fmt::Debug for Gguf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Gguf")
             .field("version", &self.header.version)
+            .field("parts", &self.parts.len())
             .field("file_size", &self.file_size())
             .field("data_offset", &self.header.data_offset)
             .field("metadata_keys", &self.header.metadata.len())
@@ -186,30 +233,76 @@ impl fmt::Debug for Gguf {
 }
 
 impl Gguf {
-    /// Memory-maps and parses the file at `path`.
+    /// Parses the model at `path`: the file, or, when it is a part of a
+    /// split model (`split.count` > 1), every part, found by the
+    /// `PREFIX-00001-of-0000N.gguf` names beside it. Every part is checked
+    /// before this returns; none stays mapped until its bytes are asked for.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let io = |source| GgufError::Io {
+        let (file, backing, header) = Self::parse_file(path)?;
+        if split::count_of(&header.metadata)? > 1 {
+            return split::open(path, header);
+        }
+        parse::check_layers(&header.tensors)?;
+        let part = Part {
+            path: Some(path.to_path_buf()),
+            file: Some(file),
+            size: backing.bytes().len() as u64,
+            bytes: OnceLock::from(backing),
+        };
+        Ok(Gguf {
+            parts: vec![part],
+            header,
+        })
+    }
+
+    /// Opens, maps and parses one file, as it is.
+    fn parse_file(path: &Path) -> Result<(File, Backing, Header)> {
+        let file = File::open(path).map_err(|source| GgufError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let file = File::open(path).map_err(io)?;
-        // SAFETY: the file is opened read-only and the mapping is only ever read. Mmap is unsafe
-        // because another process could modify or truncate the file while it is mapped; model
-        // files are treated as immutable, and changing one while it is loaded is the user's
-        // responsibility (as with llama.cpp, which maps model files the same way).
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(Backing::Mmap(map))
-    }
-
-    /// Parses a GGUF image held in memory (same validation as [`Gguf::open`]).
-    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
-        Self::parse(Backing::Owned(bytes))
-    }
-
-    fn parse(backing: Backing) -> Result<Self> {
+        })?;
+        let backing = map(&file, path)?;
         let header = parse_header(backing.bytes())?;
-        Ok(Gguf { backing, header })
+        Ok((file, backing, header))
+    }
+
+    /// Parses a GGUF image held in memory (same validation as [`Gguf::open`];
+    /// a part of a split model is read alone).
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
+        let header = parse_header(&bytes)?;
+        parse::check_layers(&header.tensors)?;
+        let part = Part {
+            path: None,
+            file: None,
+            size: bytes.len() as u64,
+            bytes: OnceLock::from(Backing::Owned(bytes)),
+        };
+        Ok(Gguf {
+            parts: vec![part],
+            header,
+        })
+    }
+
+    /// The files of the model, in order (one unless it is split); `None`
+    /// for one held in memory.
+    pub fn paths(&self) -> Vec<Option<&Path>> {
+        self.parts.iter().map(|p| p.path.as_deref()).collect()
+    }
+
+    /// Whether part `i`'s bytes are mapped (it held a tensor asked for).
+    pub fn is_mapped(&self, part: usize) -> bool {
+        self.parts
+            .get(part)
+            .is_some_and(|p| p.bytes.get().is_some())
+    }
+
+    /// The whole of file `part` (mapping it if it is not yet).
+    pub fn part_bytes(&self, part: usize) -> Result<&[u8]> {
+        match self.parts.get(part) {
+            Some(p) => p.bytes(),
+            None => Ok(&[]),
+        }
     }
 
     pub fn version(&self) -> u32 {
@@ -221,18 +314,20 @@ impl Gguf {
         self.header.alignment
     }
 
-    /// Absolute file offset where the data section starts.
+    /// Absolute file offset where the data section starts (in the first
+    /// file of a split model).
     pub fn data_offset(&self) -> u64 {
         self.header.data_offset
     }
 
+    /// Bytes of the model's files, all parts together.
     pub fn file_size(&self) -> u64 {
-        self.bytes().len() as u64
+        self.parts.iter().map(|p| p.size).sum()
     }
 
-    /// The whole file.
-    pub fn bytes(&self) -> &[u8] {
-        self.backing.bytes()
+    /// The number of files: 1, or a split model's part count.
+    pub fn n_parts(&self) -> usize {
+        self.parts.len()
     }
 
     /// All metadata entries, in file order.
@@ -343,14 +438,17 @@ impl Gguf {
         h.tensors.get(*h.tensor_index.get(name)?)
     }
 
-    /// The tensor's bytes, borrowed from the mapping. Infos from this file always lie inside it;
-    /// an info that does not (e.g. one from another file) yields an empty slice.
-    pub fn tensor_data(&self, tensor: &TensorInfo) -> &[u8] {
+    /// The tensor's bytes, borrowed from the mapping of its file (mapped
+    /// now if it is not yet). Infos from this model always lie inside it;
+    /// an info that does not (e.g. one from another file) yields an empty
+    /// slice.
+    pub fn tensor_data(&self, tensor: &TensorInfo) -> Result<&[u8]> {
+        let bytes = self.part_bytes(tensor.part)?;
         let range = usize::try_from(tensor.offset)
             .ok()
             .zip(usize::try_from(tensor.size).ok())
             .and_then(|(start, len)| Some(start..start.checked_add(len)?));
-        range.and_then(|r| self.bytes().get(r)).unwrap_or_default()
+        Ok(range.and_then(|r| bytes.get(r)).unwrap_or_default())
     }
 
     /// Bytes of all `blk.N.*` tensors, indexed by layer `N` (length = highest `N` + 1).

@@ -47,7 +47,9 @@ pub(super) fn parse_header(buf: &[u8]) -> Result<Header> {
     let n_kv = r.count(kv_count, MIN_KV_BYTES, "metadata key/value count")?;
     let mut metadata = Vec::with_capacity(n_kv);
     let mut key_index = HashMap::with_capacity(n_kv);
+    let mut kv_spans = Vec::with_capacity(n_kv);
     for i in 0..n_kv {
+        let start = r.pos;
         let key = r.utf8(&format!("metadata key #{i}"))?;
         let what = format!("metadata value '{key}'");
         let type_id = r.u32(&what)?;
@@ -56,6 +58,7 @@ pub(super) fn parse_header(buf: &[u8]) -> Result<Header> {
             return Err(GgufError::DuplicateKey { key });
         }
         metadata.push((key, value));
+        kv_spans.push(start..r.pos);
     }
 
     // llama.cpp insists on a u32 here, so no integer coercion.
@@ -107,15 +110,8 @@ pub(super) fn parse_header(buf: &[u8]) -> Result<Header> {
             ggml_type,
             offset: rel_offset, // made absolute below, once the data section start is known
             size,
+            part: 0,
         };
-        // Bounding layer indices keeps `layer_bytes` from allocating for a bogus `blk.4000000000`.
-        if let Some(layer) = info.layer().filter(|&l| l as usize >= n_tensors) {
-            return Err(GgufError::LayerOutOfRange {
-                tensor: info.name,
-                layer,
-                n_tensors,
-            });
-        }
         if tensor_index.insert(info.name.clone(), i).is_some() {
             return Err(GgufError::DuplicateTensor { tensor: info.name });
         }
@@ -152,10 +148,29 @@ pub(super) fn parse_header(buf: &[u8]) -> Result<Header> {
         alignment,
         data_offset,
         metadata,
+        kv_spans,
         key_index,
         tensors,
         tensor_index,
     })
+}
+
+/// Bounds every layer index by the tensor count (of the whole model, for a
+/// split one), which keeps `layer_bytes` from allocating for a bogus
+/// `blk.4000000000`.
+pub(super) fn check_layers(tensors: &[TensorInfo]) -> Result<()> {
+    let n_tensors = tensors.len();
+    match tensors
+        .iter()
+        .find_map(|t| Some((t, t.layer().filter(|&l| l as usize >= n_tensors)?)))
+    {
+        Some((t, layer)) => Err(GgufError::LayerOutOfRange {
+            tensor: t.name.clone(),
+            layer,
+            n_tensors,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Bytes of a tensor: whole rows of blocks, with every product checked.

@@ -223,10 +223,12 @@ pub struct TensorInfo {
     /// ggml `ne`: element counts, innermost (contiguous) dimension first.
     pub dims: Vec<u64>,
     pub ggml_type: GgmlType,
-    /// Absolute offset of the data in the file.
+    /// Absolute offset of the data in its file.
     pub offset: u64,
     /// Size of the data in bytes.
     pub size: u64,
+    /// Which file of a split model holds the data (0 for a single file).
+    pub part: usize,
 }
 
 impl TensorInfo {

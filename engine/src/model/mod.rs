@@ -197,8 +197,9 @@ pub(crate) fn opt(name: &'static str, shape: &[u32]) -> TensorSpec {
     }
 }
 
-/// A GGUF model opened and validated: the file (memory-mapped), its
-/// architecture and hyper-parameters. Shared by every stage that runs a part of it.
+/// A GGUF model opened and validated: the file or a split model's files
+/// (memory-mapped when their tensors are read), its architecture and
+/// hyper-parameters. Shared by every stage that runs a part of it.
 pub struct ModelFile {
     pub gguf: Gguf,
     pub hparams: Hparams,
@@ -218,9 +219,18 @@ impl ModelFile {
     /// Opens and validates `path`: GGUF structure, supported architecture,
     /// required keys, and the shape of every tensor the architecture uses.
     /// Nothing is computed and no weight is read.
+    /// A split model is opened from any of its parts; `path` is then its
+    /// first part (the one llama.cpp's loader wants).
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<ModelFile>, EngineError> {
-        let path = path.as_ref();
-        Self::from_gguf(Gguf::open(path)?, path)
+        let gguf = Gguf::open(path.as_ref())?;
+        let path = gguf
+            .paths()
+            .first()
+            .copied()
+            .flatten()
+            .unwrap_or(path.as_ref())
+            .to_path_buf();
+        Self::from_gguf(gguf, &path)
     }
 
     /// [`ModelFile::open`]'s checks on a GGUF already parsed (e.g. from

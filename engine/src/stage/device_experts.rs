@@ -56,7 +56,7 @@ impl DeviceExperts {
             // one contiguous slice (whole quantization blocks).
             let n_expert = info.dims[2] as usize;
             let per = info.size as usize / n_expert;
-            let src = g.tensor_data(info);
+            let src = g.tensor_data(info)?;
             let mut data = Vec::with_capacity(per * ids.len());
             for &id in &ids {
                 data.extend_from_slice(&src[id as usize * per..(id as usize + 1) * per]);

@@ -151,18 +151,27 @@ impl Weights {
                 mapped_bytes += info.size;
             }
         }
-        let bytes = g.bytes();
         let mut buffers = Vec::new();
-        // SAFETY (contract of from_host_ptr): the map lives in `model`, which
-        // every stage holds through an Arc for as long as its weights exist.
-        let map_buf = unsafe { Buffer::from_host_ptr(bytes.as_ptr(), bytes.len()) }
-            .map_err(EngineError::CpuBackend)?;
+        // One host buffer over each file that holds a tensor used in place:
+        // a file of a split model holding none of this stage's is never
+        // mapped.
+        let mut by_part: std::collections::BTreeMap<usize, Vec<_>> = Default::default();
         for (idx, info) in &placed {
-            // SAFETY: the GGUF reader checked offset + size <= file length.
-            unsafe { map_buf.place(mapped.get(*idx), bytes.as_ptr(), info.offset as usize) }
-                .map_err(EngineError::Ggml)?;
+            by_part.entry(info.part).or_default().push((*idx, info));
         }
-        buffers.push(map_buf);
+        for (part, tensors) in by_part {
+            let bytes = g.part_bytes(part)?;
+            // SAFETY (contract of from_host_ptr): the map lives in `model`, which
+            // every stage holds through an Arc for as long as its weights exist.
+            let map_buf = unsafe { Buffer::from_host_ptr(bytes.as_ptr(), bytes.len()) }
+                .map_err(EngineError::CpuBackend)?;
+            for (idx, info) in tensors {
+                // SAFETY: the GGUF reader checked offset + size <= file length.
+                unsafe { map_buf.place(mapped.get(idx), bytes.as_ptr(), info.offset as usize) }
+                    .map_err(EngineError::Ggml)?;
+            }
+            buffers.push(map_buf);
+        }
         let total = to_copy.len();
         if let (Some(buft), false) = (repack_buft, to_copy.is_empty()) {
             let buf = Buffer::alloc_ctx(repacked.ctx(), buft).ok_or(EngineError::OutOfMemory {
@@ -174,7 +183,7 @@ impl Weights {
                 bytes: repacked_bytes,
             })?;
             for (i, (r, info)) in to_copy.iter().enumerate() {
-                repacked.get(*r).write_bytes(g.tensor_data(info));
+                repacked.get(*r).write_bytes(g.tensor_data(info)?);
                 progress(i + 1, total);
             }
             buffers.push(buf);

@@ -200,4 +200,5 @@ fn assert_mentions(err: &GgufError, facts: &[&str]) {
 mod garbage;
 mod malformed;
 mod real_files;
+mod split;
 mod well_formed;

@@ -72,7 +72,7 @@ fn synthetic_fixtures_match_metadata_dump() {
                 .map(|d| d.as_u64().unwrap())
                 .collect();
             assert_eq!(t.dims, ne, "{file}: {}", t.name);
-            assert_eq!(g.tensor_data(t).len() as u64, t.size);
+            assert_eq!(g.tensor_data(t).unwrap().len() as u64, t.size);
         }
         let arch = g.architecture().unwrap().to_owned();
         assert_eq!(

@@ -5,7 +5,7 @@ use super::*;
 fn check_sample(g: &Gguf, version: u32) {
     assert_eq!(g.version(), version);
     assert_eq!(g.alignment(), 32);
-    assert_eq!(g.file_size(), g.bytes().len() as u64);
+    assert_eq!(g.file_size(), g.part_bytes(0).unwrap().len() as u64);
 
     let expected = all_values();
     let keys: Vec<&str> = g.metadata().iter().map(|(k, _)| k.as_str()).collect();
@@ -45,7 +45,11 @@ fn check_sample(g: &Gguf, version: u32) {
         assert_eq!(t.ggml_type, ty, "{name}");
         assert_eq!(t.offset, g.data_offset() + rel, "{name}");
         assert_eq!(t.size, size, "{name}");
-        assert_eq!(g.tensor_data(t), pattern(size as usize, seed), "{name}");
+        assert_eq!(
+            g.tensor_data(t).unwrap(),
+            pattern(size as usize, seed),
+            "{name}"
+        );
         assert_eq!(g.tensor(name), Some(t));
     }
     assert_eq!(g.tensor("missing"), None);
@@ -108,7 +112,7 @@ fn custom_alignment_64() {
     assert_eq!(rel, [0, 64, 256, 448]);
     for (t, seed) in g.tensors().iter().zip(1..) {
         assert_eq!(
-            g.tensor_data(t),
+            g.tensor_data(t).unwrap(),
             pattern(t.size as usize, seed),
             "{}",
             t.name
@@ -273,6 +277,7 @@ fn layer_parsing() {
         ggml_type: GgmlType::F32,
         offset: 0,
         size: 4,
+        part: 0,
     };
     assert_eq!(info("blk.12.attn_q.weight").layer(), Some(12));
     assert_eq!(info("blk.0.ffn_down_exps.weight").layer(), Some(0));

@@ -17,6 +17,7 @@ pub(super) fn f32_fixture_of(file: &str) -> (Vec<(String, Value)>, Vec<F32Tensor
         .map(|t| {
             let data = g
                 .tensor_data(t)
+                .unwrap()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
