@@ -11,7 +11,7 @@
 //! and [`Merged::source`] says where each setting came from. A key or a
 //! variable that is no setting is refused by name, with the nearest one.
 //!
-//! Written here rather than with figment (which the router used alone)
+//! Written here rather than with figment (which the router used before)
 //! because the point is that file and environment go through clap's own
 //! parsing: one set of checks and messages for a setting however it is given.
 

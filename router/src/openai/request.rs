@@ -275,12 +275,12 @@ impl Common<'_> {
     /// is compiled by the coordinator, which names what is wrong with it.
     pub(super) fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
         let given: Vec<&str> = [
-            ("response_format", self.response_format),
-            ("json_schema", self.json_schema),
-            ("grammar", self.grammar),
+            ("response_format", constraining(self.response_format)),
+            ("json_schema", constraining(self.json_schema)),
+            ("grammar", constraining(self.grammar)),
         ]
         .into_iter()
-        .filter(|(_, v)| v.is_some_and(|v| !v.is_null()))
+        .filter(|(_, v)| v.is_some())
         .map(|(name, _)| name)
         .collect();
         if given.len() > 1 {
@@ -292,11 +292,20 @@ impl Common<'_> {
                 ),
             ));
         }
-        let kind = match (self.response_format, self.json_schema, self.grammar) {
-            (Some(rf), _, _) if !rf.is_null() => response_format(rf)?,
-            (_, Some(schema), _) if !schema.is_null() => Some(json_schema(schema, "json_schema")?),
-            (_, _, Some(g)) if !g.is_null() => Some(lark(g)?),
-            _ => None,
+        let kind = match (
+            constraining(self.response_format),
+            constraining(self.json_schema),
+            constraining(self.grammar),
+        ) {
+            (Some(rf), _, _) => response_format(rf)?,
+            (_, Some(schema), _) => Some(json_schema(schema, "json_schema")?),
+            (_, _, Some(g)) => Some(lark(g)?),
+            // A `response_format` of `{"type": "text"}` (or null) is still
+            // checked: a bad one is named.
+            _ => match self.response_format.filter(|v| !v.is_null()) {
+                Some(rf) => response_format(rf)?,
+                None => None,
+            },
         };
         Ok(kind.map(|k| Grammar { kind: Some(k) }))
     }
@@ -404,4 +413,11 @@ impl Common<'_> {
             grammar: self.grammar()?,
         })
     }
+}
+
+/// A structured-output field that constrains the output: given, not null,
+/// and not `{"type": "text"}` (OpenAI's default, which constrains nothing,
+/// so it stands beside llama.cpp's fields).
+fn constraining(v: Option<&Value>) -> Option<&Value> {
+    v.filter(|v| !v.is_null() && v.get("type").and_then(Value::as_str) != Some("text"))
 }

@@ -304,6 +304,16 @@ fn structured_output_reaches_the_coordinator_as_a_grammar() {
             json!({"grammar": "start: \"yes\" | \"no\""}),
             Some(Kind::Lark("start: \"yes\" | \"no\"".into())),
         ),
+        // OpenAI's default `text` constrains nothing: a llama.cpp field
+        // beside it is the constraint.
+        (
+            json!({"response_format": {"type": "text"}, "json_schema": schema}),
+            Some(Kind::JsonSchema(schema.to_string())),
+        ),
+        (
+            json!({"response_format": {"type": "text"}, "grammar": "start: \"a\""}),
+            Some(Kind::Lark("start: \"a\"".into())),
+        ),
     ];
     for (patch, want) in cases {
         assert_eq!(
