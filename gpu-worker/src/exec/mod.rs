@@ -208,7 +208,7 @@ impl SeqSampler {
 /// stage's model file; it walks the whole vocabulary once).
 #[derive(Default)]
 struct Grammars {
-    built: Option<Result<Arc<omni_engine::constraint::Grammars>, String>>,
+    built: Option<Result<omni_engine::constraint::Grammars, String>>,
 }
 
 impl Grammars {
@@ -239,15 +239,14 @@ impl Grammars {
     fn load(
         &mut self,
         model: &std::path::Path,
-    ) -> &Result<Arc<omni_engine::constraint::Grammars>, String> {
+    ) -> &Result<omni_engine::constraint::Grammars, String> {
         self.built.get_or_insert_with(|| {
             let t = Instant::now();
             let built = omni_engine::tokenizer::Tokenizer::load(model)
                 .map_err(|e| e.to_string())
                 .and_then(|tok| {
                     omni_engine::constraint::Grammars::new(&tok).map_err(|e| e.to_string())
-                })
-                .map(Arc::new);
+                });
             match &built {
                 Ok(_) => tracing::info!(
                     "grammar engine ready for {} in {:.0} ms",
