@@ -8,15 +8,12 @@ for (types, required fields, enums), streamed or not; a bad schema or a
 grammar in the wrong syntax is a 400 that names the field."""
 
 import json
-import os
 
 import jsonschema
 import openai
 import pytest
 
-BASE = os.environ["OMNI_BASE_URL"]
-KEY = os.environ["OMNI_API_KEY"]
-MODEL = "qwen2.5-coder-0.5b"
+from common import BASE, KEY, MODEL, ask, client  # noqa: F401 (client: a fixture)
 
 PET = {
     "type": "object",
@@ -28,15 +25,6 @@ PET = {
     "required": ["name", "species", "age"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def client():
-    return openai.OpenAI(base_url=BASE, api_key=KEY, max_retries=0, timeout=300)
-
-
-def ask(content):
-    return [{"role": "user", "content": content}]
 
 
 def test_json_schema_strict_answer_parses_and_validates(client):

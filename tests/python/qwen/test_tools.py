@@ -5,15 +5,12 @@ prompt through the model's own chat template; its `<tool_call>` blocks come
 back as OpenAI's `tool_calls`."""
 
 import json
-import os
 
 import jsonschema
 import openai
 import pytest
 
-BASE = os.environ["OMNI_BASE_URL"]
-KEY = os.environ["OMNI_API_KEY"]
-MODEL = "qwen2.5-coder-0.5b"
+from common import BASE, KEY, MODEL, ask, client  # noqa: F401 (client: a fixture)
 
 WEATHER = {
     "type": "function",
@@ -45,15 +42,6 @@ TIME = {
 }
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-
-
-@pytest.fixture(scope="module")
-def client():
-    return openai.OpenAI(base_url=BASE, api_key=KEY, max_retries=0, timeout=300)
-
-
-def ask(content):
-    return [{"role": "user", "content": content}]
 
 
 def check_calls(message):
