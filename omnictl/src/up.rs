@@ -308,9 +308,12 @@ impl LocalCluster {
             cluster.add(&name, w)?;
         }
         if a.port != 0 {
-            let name = model
-                .file_stem()
-                .map_or("model".into(), |s| s.to_string_lossy().into_owned());
+            // A split model is named by its prefix, not by one part.
+            let name = match omni_engine::gguf::split::prefix_of(model) {
+                Some((prefix, _, _)) => prefix.file_name().map(|s| s.to_os_string()),
+                None => model.file_stem().map(|s| s.to_os_string()),
+            }
+            .map_or("model".into(), |s| s.to_string_lossy().into_owned());
             let mut r = Command::new(sibling_binary("omni-router")?);
             r.args(["--listen", &format!("127.0.0.1:{}", a.port)])
                 .args([
