@@ -2,17 +2,33 @@
 //! real model cut into 3 parts by `omnictl split` gives the same tokens as
 //! the whole file, in one process and in a 2-stage cluster; each worker
 //! maps only the parts that hold its tensors; a missing, truncated or
-//! foreign part is refused naming it before anything loads; and
+//! foreign part is refused naming it before anything loads; an expert
+//! worker slices its experts out of the parts that hold them; and
 //! `omnictl merge` gives back the original bytes.
 
 use omni_engine::ModelFile;
-use omni_tests::fixtures::{model, GEMMA, QWEN};
+use omni_tests::fixtures::{self, fixtures_dir, json, model, GEMMA, QWEN};
 use omni_tests::{engine_tokens, greedy, ids, short_prompts, target_bin, Cluster, ClusterSpec};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const N_GEN: usize = 16;
+
+/// Splits `file` into `n` parts under `dir` with `omnictl split`; the parts.
+fn split_n(file: &Path, dir: &Path, name: &str, n: usize) -> Vec<PathBuf> {
+    let prefix = dir.join(name);
+    omnictl(&[
+        "split",
+        file.to_str().unwrap(),
+        prefix.to_str().unwrap(),
+        "--parts",
+        &n.to_string(),
+    ]);
+    (1..=n)
+        .map(|i| dir.join(format!("{name}-{i:05}-of-{n:05}.gguf")))
+        .collect()
+}
 
 /// `omnictl ARGS`; panics with its output unless it succeeds.
 fn omnictl(args: &[&str]) -> String {
@@ -26,19 +42,8 @@ fn omnictl(args: &[&str]) -> String {
     text
 }
 
-/// Splits `file` into 3 parts under `dir` with `omnictl split`; the parts.
 fn split3(file: &Path, dir: &Path, name: &str) -> Vec<PathBuf> {
-    let prefix = dir.join(name);
-    omnictl(&[
-        "split",
-        file.to_str().unwrap(),
-        prefix.to_str().unwrap(),
-        "--parts",
-        "3",
-    ]);
-    (1..=3)
-        .map(|i| dir.join(format!("{name}-{i:05}-of-00003.gguf")))
-        .collect()
+    split_n(file, dir, name, 3)
 }
 
 /// The parts (0-based) a process has mapped, from its /proc/PID/maps.
@@ -211,4 +216,40 @@ fn missing_truncated_and_foreign_parts_are_refused_by_name() {
 
     // Whole again: it opens.
     ModelFile::open(&parts[0]).unwrap();
+}
+
+/// A MoE model split in 4, its routed experts on an expert worker: the
+/// tokens are llama.cpp's for the whole file, and the expert worker maps
+/// only the parts that hold expert tensors.
+#[test]
+fn an_expert_worker_slices_experts_out_of_a_split_models_parts() {
+    let name = "deepseek2-mla-q4_k_m";
+    let whole = fixtures_dir().join(format!("synthetic/tiny-{name}.gguf"));
+    let dir = tempfile::tempdir().unwrap();
+    let parts = split_n(&whole, dir.path(), "moe", 4);
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.cpu_workers = 1;
+    spec.coordinator_args = vec!["--experts".into(), "cpu".into()];
+    let c = Cluster::start(&parts[0], &spec);
+    let fx = json(&format!("synthetic/ref_tiny-{name}.json"));
+    for g in fx["generations"].as_array().unwrap() {
+        let prompt = fixtures::ids(&g["prompt_ids"]);
+        let want = fixtures::greedy_ids_here(&whole, &prompt, fixtures::ids(&g["generated_ids"]));
+        let ev = c
+            .generate(greedy(&prompt, want.len()))
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.logs()));
+        assert_eq!(ids(&ev), want, "{name} split in 4, experts on c0");
+    }
+    let g = omni_engine::gguf::Gguf::open(&parts[0]).unwrap();
+    let experts: BTreeSet<usize> = g
+        .tensors()
+        .iter()
+        .filter(|t| t.name.ends_with("_exps.weight"))
+        .map(|t| t.part)
+        .collect();
+    let got = mapped_parts(c.cpu_workers[0].child.id(), &parts);
+    assert_eq!(
+        got, experts,
+        "the expert worker maps the parts of the experts"
+    );
 }
