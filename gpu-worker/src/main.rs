@@ -14,24 +14,12 @@ use clap::Parser;
 // only required when no subcommand is given.
 struct Cli {
     #[command(subcommand)]
-    command: Option<Command>,
+    command: Option<omni_runtime::start::ServiceCommand>,
     /// A TOML file whose [worker] table gives settings (also OMNI_CONFIG); OMNI_WORKER_<SETTING> variables, then flags, override it.
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     #[command(flatten)]
     cfg: omni_gpu_worker::WorkerConfig,
-}
-
-#[derive(clap::Subcommand)]
-#[allow(dead_code)] // read by name in omni_runtime::start
-enum Command {
-    /// Probe a running worker's gRPC health (exit 0 when SERVING): the
-    /// container health check, which needs no shell and no curl.
-    Healthcheck(omni_runtime::start::HealthcheckArgs),
-    /// Print the settings this service would run with, as the TOML table of
-    /// its config file: each with where it came from (default, file,
-    /// variable, flag), secrets masked. Takes the service's flags.
-    PrintConfig,
 }
 
 fn main() {

@@ -348,7 +348,8 @@ pub fn render(
             .get_raw(&id)
             .map(|v| v.map(|x| x.to_string_lossy().to_string()).collect())
             .unwrap_or_default();
-        // A variable clap reads itself (a setting's older name) is a source too.
+        // A variable clap reads itself (a standard one, such as
+        // OTEL_EXPORTER_OTLP_ENDPOINT) is a source too.
         let source = match merged.source(&key) {
             Source::Default
                 if matches.value_source(&id) == Some(clap::parser::ValueSource::EnvVariable) =>

@@ -73,16 +73,7 @@ pub fn parse<T: clap::FromArgMatches>(
     env: &[(String, String)],
     printing: bool,
 ) -> Result<Parsed<T>, ParseError> {
-    let mut cmd = cmd.args_override_self(true);
-    if printing {
-        cmd = cmd.mut_args(|a| a.required(false));
-    }
-    let merged = merge(&cmd, svc, argv, env).map_err(ParseError::Chain)?;
-    let full = std::iter::once(OsString::from(what)).chain(merged.argv.iter().cloned());
-    let matches = cmd
-        .clone()
-        .try_get_matches_from(full)
-        .map_err(ParseError::Clap)?;
+    let (cmd, matches, merged) = chain_matches(what, cmd, svc, argv, env, printing)?;
     let print = printing.then(|| render(&cmd, svc, &matches, &merged));
     let settings = match T::from_arg_matches(&matches) {
         Ok(t) => Some(t),
@@ -94,6 +85,29 @@ pub fn parse<T: clap::FromArgMatches>(
         merged,
         print,
     })
+}
+
+/// The layers of `argv` and `env` put before the flags, and what clap makes
+/// of them for `cmd` (made lenient: no setting required, with `lenient`).
+fn chain_matches(
+    what: &str,
+    cmd: clap::Command,
+    svc: Service,
+    argv: &[OsString],
+    env: &[(String, String)],
+    lenient: bool,
+) -> Result<(clap::Command, clap::ArgMatches, Merged), ParseError> {
+    let mut cmd = cmd.args_override_self(true);
+    if lenient {
+        cmd = cmd.mut_args(|a| a.required(false));
+    }
+    let merged = merge(&cmd, svc, argv, env).map_err(ParseError::Chain)?;
+    let full = std::iter::once(OsString::from(what)).chain(merged.argv.iter().cloned());
+    let matches = cmd
+        .clone()
+        .try_get_matches_from(full)
+        .map_err(ParseError::Clap)?;
+    Ok((cmd, matches, merged))
 }
 
 /// The start of `main` for the service binary `what` with command line
@@ -147,10 +161,7 @@ fn listen_setting<C: clap::CommandFactory>(
         argv.push(OsString::from(crate::config::CONFIG_FLAG));
         argv.push(file.clone().into_os_string());
     }
-    let cmd = C::command().mut_args(|a| a.required(false));
-    let merged = merge(&cmd, svc, &argv, env).map_err(ParseError::Chain)?;
-    let full = std::iter::once(OsString::from(what)).chain(merged.argv);
-    let matches = cmd.try_get_matches_from(full).map_err(ParseError::Clap)?;
+    let (_, matches, _) = chain_matches(what, C::command(), svc, &argv, env, true)?;
     matches
         .get_one::<String>("listen")
         .cloned()
@@ -179,6 +190,20 @@ where
         eprintln!("{what}: the settings are incomplete");
         std::process::exit(2)
     })
+}
+
+/// The subcommands of every gRPC service (`omni_runtime::start` reads them
+/// by name; the services only declare them).
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum ServiceCommand {
+    /// Probe the running service's gRPC health (exit 0 when SERVING; a
+    /// coordinator serves once its workers registered and the model is
+    /// loaded): the container health check, which needs no shell and no curl.
+    Healthcheck(HealthcheckArgs),
+    /// Print the settings this service would run with, as the TOML table of
+    /// its config file: each with where it came from (default, file,
+    /// variable, flag), secrets masked. Takes the service's flags.
+    PrintConfig,
 }
 
 /// The `healthcheck` subcommand's arguments, the same for every service.

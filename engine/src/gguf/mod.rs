@@ -218,6 +218,37 @@ struct Header {
     tensor_index: HashMap<String, usize>,
 }
 
+impl Header {
+    fn get(&self, key: &str) -> Option<&Value> {
+        let &i = self.key_index.get(key)?;
+        self.metadata.get(i).map(|(_, v)| v)
+    }
+
+    /// Shared body of the typed getters: absent is `Ok(None)`, present but not convertible is
+    /// `WrongType`, so optional keys still catch files that store them with the wrong type.
+    fn lookup<'a, T>(
+        &'a self,
+        key: &str,
+        expected: &'static str,
+        convert: impl FnOnce(&'a Value) -> Option<T>,
+    ) -> Result<Option<T>> {
+        let Some(value) = self.get(key) else {
+            return Ok(None);
+        };
+        convert(value)
+            .map(Some)
+            .ok_or_else(|| GgufError::WrongType {
+                key: key.into(),
+                expected,
+                found: value.describe(),
+            })
+    }
+
+    fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
+        self.lookup(key, "a u64", Value::as_u64)
+    }
+}
+
 impl fmt::Debug for Gguf {
     // The backing bytes are deliberately left out: they can be gigabytes.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -240,8 +271,9 @@ impl Gguf {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let (file, backing, header) = Self::parse_file(path)?;
-        if split::count_of(&header.metadata)? > 1 {
-            return split::open(path, header);
+        if split::count_of(&header)? > 1 {
+            let size = backing.bytes().len() as u64;
+            return split::open(path, (file, size, header));
         }
         parse::check_layers(&header.tensors)?;
         let part = Part {
@@ -336,28 +368,16 @@ impl Gguf {
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
-        let &i = self.header.key_index.get(key)?;
-        self.header.metadata.get(i).map(|(_, v)| v)
+        self.header.get(key)
     }
 
-    /// Shared body of the typed getters: absent is `Ok(None)`, present but not convertible is
-    /// `WrongType`, so optional keys still catch files that store them with the wrong type.
     fn lookup<'a, T>(
         &'a self,
         key: &str,
         expected: &'static str,
         convert: impl FnOnce(&'a Value) -> Option<T>,
     ) -> Result<Option<T>> {
-        let Some(value) = self.get(key) else {
-            return Ok(None);
-        };
-        convert(value)
-            .map(Some)
-            .ok_or_else(|| GgufError::WrongType {
-                key: key.into(),
-                expected,
-                found: value.describe(),
-            })
+        self.header.lookup(key, expected, convert)
     }
 
     pub fn opt_u32(&self, key: &str) -> Result<Option<u32>> {
@@ -365,7 +385,7 @@ impl Gguf {
     }
 
     pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
-        self.lookup(key, "a u64", Value::as_u64)
+        self.header.opt_u64(key)
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {

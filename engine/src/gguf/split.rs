@@ -53,20 +53,9 @@ pub fn first_part(path: &Path) -> PathBuf {
     }
 }
 
-/// `split.count` of a file's metadata: 1 when it is no part of a split model.
-pub(super) fn count_of(metadata: &[(String, super::Value)]) -> Result<u64> {
-    key_of(metadata, KEY_COUNT).map(|c| c.unwrap_or(1))
-}
-
-fn key_of(metadata: &[(String, super::Value)], key: &str) -> Result<Option<u64>> {
-    match metadata.iter().find(|(k, _)| k == key) {
-        None => Ok(None),
-        Some((_, v)) => v.as_u64().map(Some).ok_or_else(|| GgufError::WrongType {
-            key: key.into(),
-            expected: "a non-negative integer",
-            found: v.describe(),
-        }),
-    }
+/// `split.count` of a file's header: 1 when it is no part of a split model.
+pub(super) fn count_of(header: &Header) -> Result<u64> {
+    header.opt_u64(KEY_COUNT).map(|c| c.unwrap_or(1))
 }
 
 /// Why a part does not belong with the others, naming it.
@@ -77,14 +66,15 @@ fn bad_part(path: &Path, why: impl Into<String>) -> GgufError {
     }
 }
 
-/// Opens every part of the split model `given` is a part of (its header
-/// already parsed as `header`): each must be there, whole, and of this
-/// model (the same `split.count` and `split.tensors.count`, its own
+/// Opens every part of the split model `given` is a part of (`opened`: its
+/// file, size and header, already read): each must be there, whole, and of
+/// this model (the same `split.count` and `split.tensors.count`, its own
 /// `split.no`, no tensor twice, the tensors adding up).
-pub(super) fn open(given: &Path, header: Header) -> Result<Gguf> {
-    let n = count_of(&header.metadata)?;
-    let tensors_count = key_of(&header.metadata, KEY_TENSORS)?;
-    let no = key_of(&header.metadata, KEY_NO)?;
+pub(super) fn open(given: &Path, opened: (std::fs::File, u64, Header)) -> Result<Gguf> {
+    let header = &opened.2;
+    let n = count_of(header)?;
+    let tensors_count = header.opt_u64(KEY_TENSORS)?;
+    let no = header.opt_u64(KEY_NO)?;
     let (Some(no), Some(tensors_count)) = (no, tensors_count) else {
         return Err(bad_part(
             given,
@@ -117,6 +107,7 @@ pub(super) fn open(given: &Path, header: Header) -> Result<Gguf> {
             ),
         ));
     }
+    let mut given_part = Some(opened);
     let mut parts = Vec::with_capacity(n);
     let mut first: Option<Header> = None;
     let mut tensors: Vec<TensorInfo> = Vec::new();
@@ -128,13 +119,19 @@ pub(super) fn open(given: &Path, header: Header) -> Result<Gguf> {
                 format!("part {} of {n} of {} is missing", i + 1, given.display()),
             ));
         }
-        let (file, backing, h) = Gguf::parse_file(&path)
-            .map_err(|e| bad_part(&path, format!("part {} of {n}: {e}", i + 1)))?;
-        let (count, this_no, this_tensors) = (
-            count_of(&h.metadata)?,
-            key_of(&h.metadata, KEY_NO)?,
-            key_of(&h.metadata, KEY_TENSORS)?,
-        );
+        // The part `given` is was read already; the others are read here
+        // (mapped to parse, unmapped again: mapped for good when their
+        // tensors are read).
+        let (file, size, h) = match given_part.take_if(|_| i as u64 == no) {
+            Some(read) => read,
+            None => {
+                let (file, backing, h) = Gguf::parse_file(&path)
+                    .map_err(|e| bad_part(&path, format!("part {} of {n}: {e}", i + 1)))?;
+                (file, backing.bytes().len() as u64, h)
+            }
+        };
+        let (count, this_no, this_tensors) =
+            (count_of(&h)?, h.opt_u64(KEY_NO)?, h.opt_u64(KEY_TENSORS)?);
         if count != n as u64 || this_no != Some(i as u64) || this_tensors != Some(tensors_count) {
             return Err(bad_part(
                 &path,
@@ -147,14 +144,16 @@ pub(super) fn open(given: &Path, header: Header) -> Result<Gguf> {
             ));
         }
         if i > 0 {
-            if let Some(arch) = h.metadata.iter().find(|(k, _)| k == "general.architecture") {
-                let ours = first
+            const ARCH: &str = "general.architecture";
+            if let Some(arch) = h.get(ARCH) {
+                if first
                     .as_ref()
-                    .and_then(|f| f.metadata.iter().find(|(k, _)| k == "general.architecture"));
-                if ours.is_some_and(|o| o.1 != arch.1) {
+                    .and_then(|f| f.get(ARCH))
+                    .is_some_and(|o| o != arch)
+                {
                     return Err(bad_part(
                         &path,
-                        format!("it is a {:?} model's part, not this model's", arch.1),
+                        format!("it is a {arch:?} model's part, not this model's"),
                     ));
                 }
             }
@@ -166,11 +165,9 @@ pub(super) fn open(given: &Path, header: Header) -> Result<Gguf> {
         parts.push(Part {
             path: Some(path),
             file: Some(file),
-            size: backing.bytes().len() as u64,
-            // Dropped here: parts are mapped again when their tensors are read.
+            size,
             bytes: OnceLock::new(),
         });
-        drop(backing);
         if i == 0 {
             first = Some(h);
         }

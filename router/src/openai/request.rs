@@ -274,15 +274,16 @@ impl Common<'_> {
     /// `json_schema` / `grammar` (one of them). The schema or grammar itself
     /// is compiled by the coordinator, which names what is wrong with it.
     pub(super) fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
-        let given: Vec<&str> = [
+        let fields = [
             ("response_format", constraining(self.response_format)),
             ("json_schema", constraining(self.json_schema)),
             ("grammar", constraining(self.grammar)),
-        ]
-        .into_iter()
-        .filter(|(_, v)| v.is_some())
-        .map(|(name, _)| name)
-        .collect();
+        ];
+        let given: Vec<&str> = fields
+            .iter()
+            .filter(|(_, v)| v.is_some())
+            .map(|(name, _)| *name)
+            .collect();
         if given.len() > 1 {
             return Err(ApiError::invalid(
                 given[1],
@@ -292,14 +293,10 @@ impl Common<'_> {
                 ),
             ));
         }
-        let kind = match (
-            constraining(self.response_format),
-            constraining(self.json_schema),
-            constraining(self.grammar),
-        ) {
-            (Some(rf), _, _) => response_format(rf)?,
-            (_, Some(schema), _) => Some(json_schema(schema, "json_schema")?),
-            (_, _, Some(g)) => Some(lark(g)?),
+        let kind = match fields.map(|(_, v)| v) {
+            [Some(rf), _, _] => response_format(rf)?,
+            [_, Some(schema), _] => Some(json_schema(schema, "json_schema")?),
+            [_, _, Some(g)] => Some(lark(g)?),
             // A `response_format` of `{"type": "text"}` (or null) is still
             // checked: a bad one is named.
             _ => match self.response_format.filter(|v| !v.is_null()) {
