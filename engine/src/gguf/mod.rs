@@ -371,17 +371,9 @@ impl Gguf {
         self.header.get(key)
     }
 
-    fn lookup<'a, T>(
-        &'a self,
-        key: &str,
-        expected: &'static str,
-        convert: impl FnOnce(&'a Value) -> Option<T>,
-    ) -> Result<Option<T>> {
-        self.header.lookup(key, expected, convert)
-    }
-
     pub fn opt_u32(&self, key: &str) -> Result<Option<u32>> {
-        self.lookup(key, "a u32", |v| v.as_u64()?.try_into().ok())
+        self.header
+            .lookup(key, "a u32", |v| v.as_u64()?.try_into().ok())
     }
 
     pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
@@ -389,19 +381,19 @@ impl Gguf {
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
-        self.lookup(key, "an f32", Value::as_f32)
+        self.header.lookup(key, "an f32", Value::as_f32)
     }
 
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
-        self.lookup(key, "a bool", Value::as_bool)
+        self.header.lookup(key, "a bool", Value::as_bool)
     }
 
     pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
-        self.lookup(key, "a string", Value::as_str)
+        self.header.lookup(key, "a string", Value::as_str)
     }
 
     pub fn opt_str_array(&self, key: &str) -> Result<Option<Vec<&str>>> {
-        self.lookup(key, "an array of strings", |v| {
+        self.header.lookup(key, "an array of strings", |v| {
             v.as_array()?.iter().map(Value::as_str).collect()
         })
     }
