@@ -764,3 +764,31 @@ fn expert_batches_may_be_narrower() {
     let msg = err(ex.run(1, &x, &[1; 15], &[0.1; 15]));
     assert!(msg.contains("got 15 ids and 15 weights"), "{msg}");
 }
+
+/// A step that wants no logits (a prompt chunk alone in its step, or a
+/// prefix replayed after a recovery) runs on a head stage, offloaded
+/// experts or not, and returns no rows; the next step's logits are those of
+/// the same tokens fed with logits wanted. (Such a step used to build a
+/// graph whose last layer kept no rows, and a worker died of SIGFPE.)
+#[test]
+fn a_step_that_wants_no_logits_returns_none_and_changes_nothing() {
+    for name in ["tiny-deepseek2-mla-q8_0", "tiny-qwen3moe-q8_0"] {
+        let m = open(name);
+        for offload in [false, true] {
+            let mut quiet = Chain::load(&m, &[2, 2], &|_| offload);
+            let mut loud = Chain::load(&m, &[2, 2], &|_| offload);
+            let prompt = [1u32, 17, 42, 99, 5, 8];
+            let mut b = Batch::default();
+            for (i, &t) in prompt.iter().enumerate() {
+                b.push(t, i as i32, 0, false);
+            }
+            assert!(quiet.step(&b).is_empty(), "{name}: rows without logits");
+            b.logits = vec![true; prompt.len()];
+            loud.step(&b);
+            let mut next = Batch::default();
+            next.push(7, prompt.len() as i32, 0, true);
+            let (a, c) = (quiet.step(&next), loud.step(&next));
+            assert_eq!(a, c, "{name} (offloaded {offload}): the next step differs");
+        }
+    }
+}

@@ -120,11 +120,19 @@ impl Stage {
         let model = Arc::clone(&self.model);
         let hp = &model.hparams;
         let n = batch.len();
-        let out_rows: Vec<usize> = if self.range.head {
+        let mut out_rows: Vec<usize> = if self.range.head {
             (0..n).filter(|&i| batch.logits[i]).collect()
         } else {
             (0..n).collect()
         };
+        // A head step that wants no logits (a prompt chunk, or a replayed
+        // prefix, alone in its step) still computes one row: a graph whose
+        // last layer keeps no rows runs ops on empty tensors, and ggml
+        // divides by their row counts (SIGFPE). The row is not returned.
+        let no_logits = out_rows.is_empty();
+        if no_logits {
+            out_rows.push(n - 1);
+        }
         let n_kv = self.kv.n_kv();
         let has_layers = !self.range.layers.is_empty();
         if has_layers {
@@ -192,6 +200,10 @@ impl Stage {
                 SegmentOut::Range(out) => {
                     let mut data = Vec::new();
                     out.read_f32(&mut data);
+                    if no_logits {
+                        out_rows.clear();
+                        data.clear();
+                    }
                     return Ok(if self.range.head {
                         StageOutput::Logits(Logits {
                             n_vocab: hp.n_vocab as usize,
