@@ -171,7 +171,7 @@ fn failed_rolled_back_and_committed_switches_keep_every_token() {
     // 1. A switch that cannot work (the incoming KV cache belongs to
     // another cell table) fails, and the stage goes on as it was.
     let foreign = omni_engine::KvLayers {
-        cells: vec![Some((1, 0))],
+        cells: vec![Some(omni_engine::kv::KvCell::of(1, 0))],
         layers: Vec::new(),
     };
     let twin = h.fresh_stage(whole());

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use super::{KvConfig, KvLayer, KvLayers};
+use super::{KvCell, KvConfig, KvLayer, KvLayers};
 use crate::error::EngineError;
 use crate::ffi::ggml::{f32_to_f16, Buffer, BufferType, Tensor, TensorStore, TYPE_F16};
 use crate::model::Hparams;
@@ -11,11 +11,8 @@ use crate::model::Hparams;
 /// little compute and change nothing numerically.
 const N_KV_PAD: usize = 256;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Cell {
-    seq: u32,
-    pos: i32,
-}
+/// The position of a free cell (no sequence sees it, the cache does not keep it).
+const FREE: i32 = -1;
 
 pub struct KvCache {
     cfg: KvConfig,
@@ -26,7 +23,17 @@ pub struct KvCache {
     store_layers: usize,
     store: TensorStore,
     _buffer: Option<Buffer>,
-    cells: Vec<Option<Cell>>,
+    /// Position of each cell's token, [`FREE`] for a free cell.
+    pos: Vec<i32>,
+    /// The sequences that see each cell: `words` bits per cell, flat (the
+    /// mask reads them for every token and cell). Several sequences share a
+    /// cell when one took another's prompt prefix (as llama.cpp's
+    /// `seq_cp` within one stream: metadata only, no copy).
+    seq_bits: Vec<u64>,
+    words: usize,
+    /// Cells the prefix cache keeps after their sequences are gone. A cell
+    /// is in use while a sequence sees it or the cache keeps it.
+    cached: Vec<bool>,
     /// Highest used cell + 1 (cells beyond are all free).
     used_end: usize,
     /// Cells in use (kept, not counted: workers report it every step).
@@ -80,7 +87,10 @@ impl KvCache {
             store_layers: layers.len(),
             store,
             _buffer: buffer,
-            cells: vec![None; cfg.n_cells()],
+            pos: vec![FREE; cfg.n_cells()],
+            seq_bits: vec![0; cfg.n_cells() * cfg.n_seq.div_ceil(64)],
+            words: cfg.n_seq.div_ceil(64),
+            cached: vec![false; cfg.n_cells()],
             used_end: 0,
             n_used: 0,
         })
@@ -130,26 +140,152 @@ impl KvCache {
     /// Assigns a free cell to each (seq, pos). All or nothing: on error no cell is taken.
     pub fn allocate(&mut self, seqs: &[u32], pos: &[i32]) -> Result<Vec<i64>, EngineError> {
         self.check_tokens(seqs, pos)?;
-        let free = self.cells.len() - self.used();
+        let free = self.n_cells() - self.used();
         if free < seqs.len() {
             return Err(EngineError::KvFull {
                 needed: seqs.len(),
                 free,
-                cells: self.cells.len(),
+                cells: self.n_cells(),
             });
         }
         let mut out = Vec::with_capacity(seqs.len());
         let mut next = 0;
         for (&seq, &pos) in seqs.iter().zip(pos) {
-            while self.cells[next].is_some() {
+            while self.in_use(next) {
                 next += 1;
             }
-            self.cells[next] = Some(Cell { seq, pos });
-            self.n_used += 1;
+            self.take(next, seq, pos);
             out.push(next as i64);
-            self.used_end = self.used_end.max(next + 1);
         }
         Ok(out)
+    }
+
+    fn n_cells(&self) -> usize {
+        self.pos.len()
+    }
+
+    /// Whether a sequence sees cell `c` or the cache keeps it.
+    fn in_use(&self, c: usize) -> bool {
+        self.pos[c] != FREE
+    }
+
+    fn bits(&self, c: usize) -> &[u64] {
+        &self.seq_bits[c * self.words..(c + 1) * self.words]
+    }
+
+    fn has_seq(&self, c: usize, seq: u32) -> bool {
+        self.seq_bits[c * self.words + seq as usize / 64] & (1 << (seq % 64)) != 0
+    }
+
+    fn set_seq(&mut self, c: usize, seq: u32, on: bool) {
+        let w = &mut self.seq_bits[c * self.words + seq as usize / 64];
+        if on {
+            *w |= 1 << (seq % 64);
+        } else {
+            *w &= !(1 << (seq % 64));
+        }
+    }
+
+    /// Puts `seq`'s token at `pos` into the free cell `c`.
+    fn take(&mut self, c: usize, seq: u32, pos: i32) {
+        self.pos[c] = pos;
+        self.set_seq(c, seq, true);
+        self.n_used += 1;
+        self.used_end = self.used_end.max(c + 1);
+    }
+
+    /// Frees cell `c` if no sequence sees it and the cache does not keep it.
+    fn free_if_unused(&mut self, c: usize) {
+        if self.pos[c] != FREE && !self.cached[c] && self.bits(c).iter().all(|&w| w == 0) {
+            self.pos[c] = FREE;
+            self.n_used -= 1;
+        }
+    }
+
+    /// Checks that every cell is in range and named once, and (with
+    /// `used`) in use. Names the first bad one.
+    fn check_cells(&self, cells: &[i64], used: bool, what: &str) -> Result<(), EngineError> {
+        for (i, &c) in cells.iter().enumerate() {
+            let Some(c) = usize::try_from(c).ok().filter(|&c| c < self.n_cells()) else {
+                return Err(EngineError::Config(format!(
+                    "{what}: KV cell {c} is out of range: the cache has {} cells",
+                    self.n_cells()
+                )));
+            };
+            if used && !self.in_use(c) {
+                return Err(EngineError::Config(format!("{what}: KV cell {c} is free")));
+            }
+            if cells[..i].contains(&(c as i64)) {
+                return Err(EngineError::Config(format!(
+                    "{what}: KV cell {c} is named twice"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets `seq` see the given cells as its own (a prompt prefix another
+    /// sequence computed, or the prefix cache kept). `seq` must hold no
+    /// cell yet, and every cell must be in use. All or nothing.
+    pub fn share(&mut self, seq: u32, cells: &[i64]) -> Result<(), EngineError> {
+        if seq as usize >= self.cfg.n_seq {
+            return Err(EngineError::Config(format!(
+                "sequence id {seq} is out of range: the KV cache holds {} sequences",
+                self.cfg.n_seq
+            )));
+        }
+        self.check_cells(cells, true, "sharing a prefix")?;
+        if (0..self.used_end).any(|c| self.has_seq(c, seq)) {
+            return Err(EngineError::Config(format!(
+                "sharing a prefix: sequence {seq} already holds KV cells"
+            )));
+        }
+        for &c in cells {
+            self.set_seq(c as usize, seq, true);
+        }
+        Ok(())
+    }
+
+    /// Marks cells as kept by the prefix cache: they stay in use after
+    /// every sequence that sees them is gone. All or nothing.
+    pub fn retain(&mut self, cells: &[i64]) -> Result<(), EngineError> {
+        self.check_cells(cells, true, "keeping cells in the prefix cache")?;
+        for &c in cells {
+            self.cached[c as usize] = true;
+        }
+        Ok(())
+    }
+
+    /// Lets the prefix cache give cells up: each is freed unless a
+    /// sequence still sees it. All or nothing.
+    pub fn evict(&mut self, cells: &[i64]) -> Result<(), EngineError> {
+        self.check_cells(cells, false, "evicting cells from the prefix cache")?;
+        for &c in cells {
+            self.cached[c as usize] = false;
+            self.free_if_unused(c as usize);
+        }
+        self.shrink();
+        Ok(())
+    }
+
+    /// Frees every cell, the prefix cache's too.
+    pub fn clear(&mut self) {
+        self.pos.fill(FREE);
+        self.seq_bits.fill(0);
+        self.cached.fill(false);
+        self.n_used = 0;
+        self.used_end = 0;
+    }
+
+    /// Cells the prefix cache keeps.
+    pub fn cached(&self) -> usize {
+        self.cached[..self.used_end].iter().filter(|&&c| c).count()
+    }
+
+    /// Bytes of K and V the prefix cache's cells hold in this cache.
+    pub fn cached_bytes(&self) -> u64 {
+        let (k, v) = self.row_bytes();
+        (self.cached() * (k + v) * self.store_layers) as u64
     }
 
     /// Every sequence id within the cache's sequences, every position
@@ -177,31 +313,12 @@ impl KvCache {
     /// All or nothing: every cell must be in range, free and named once.
     pub fn place(&mut self, seqs: &[u32], pos: &[i32], cells: &[i64]) -> Result<(), EngineError> {
         self.check_tokens(seqs, pos)?;
-        for (i, &c) in cells.iter().enumerate() {
-            let taken = usize::try_from(c)
-                .ok()
-                .and_then(|c| self.cells.get(c))
-                .map(Option::is_some);
-            match taken {
-                None => {
-                    return Err(EngineError::Config(format!(
-                        "KV cell {c} is out of range: the cache has {} cells",
-                        self.cells.len()
-                    )))
-                }
-                Some(true) => return Err(EngineError::Config(format!("KV cell {c} is in use"))),
-                Some(false) if cells[..i].contains(&c) => {
-                    return Err(EngineError::Config(format!(
-                        "KV cell {c} is named twice in one step"
-                    )))
-                }
-                Some(false) => {}
-            }
+        self.check_cells(cells, false, "placing a step")?;
+        if let Some(&c) = cells.iter().find(|&&c| self.in_use(c as usize)) {
+            return Err(EngineError::Config(format!("KV cell {c} is in use")));
         }
         for ((&seq, &pos), &c) in seqs.iter().zip(pos).zip(cells) {
-            self.cells[c as usize] = Some(Cell { seq, pos });
-            self.n_used += 1;
-            self.used_end = self.used_end.max(c as usize + 1);
+            self.take(c as usize, seq, pos);
         }
         Ok(())
     }
@@ -209,26 +326,35 @@ impl KvCache {
     /// Frees the given cells (a step that failed after `allocate`).
     pub fn release(&mut self, idx: &[i64]) {
         for &i in idx {
-            if self.cells[i as usize].take().is_some() {
+            let c = i as usize;
+            if self.in_use(c) {
+                self.pos[c] = FREE;
+                self.seq_bits[c * self.words..(c + 1) * self.words].fill(0);
+                self.cached[c] = false;
                 self.n_used -= 1;
             }
         }
         self.shrink();
     }
 
-    /// Frees every cell of `seq`; with `from`, only positions `>= from`.
+    /// Takes `seq` out of every cell it sees; with `from`, only positions
+    /// `>= from`. A cell no other sequence sees and the prefix cache does
+    /// not keep is freed.
     pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
-        for c in &mut self.cells {
-            if matches!(c, Some(cell) if cell.seq == seq && from.is_none_or(|f| cell.pos >= f)) {
-                *c = None;
-                self.n_used -= 1;
+        if seq as usize >= self.cfg.n_seq {
+            return;
+        }
+        for c in 0..self.used_end {
+            if self.has_seq(c, seq) && from.is_none_or(|f| self.pos[c] >= f) {
+                self.set_seq(c, seq, false);
+                self.free_if_unused(c);
             }
         }
         self.shrink();
     }
 
     fn shrink(&mut self) {
-        while self.used_end > 0 && self.cells[self.used_end - 1].is_none() {
+        while self.used_end > 0 && !self.in_use(self.used_end - 1) {
             self.used_end -= 1;
         }
     }
@@ -239,7 +365,7 @@ impl KvCache {
             .div_ceil(N_KV_PAD)
             .max(1)
             .saturating_mul(N_KV_PAD)
-            .min(self.cells.len())
+            .min(self.n_cells())
     }
 
     /// The F16 mask `[n_kv, n_tokens]` for this step: 0 where token `t` may
@@ -256,14 +382,15 @@ impl KvCache {
         let mut row = vec![f32::NEG_INFINITY; n_kv * seqs.len()];
         for (t, (&s, &p)) in seqs.iter().zip(pos).enumerate() {
             let r = &mut row[t * n_kv..(t + 1) * n_kv];
-            for (c, cell) in self.cells[..n_kv].iter().enumerate() {
-                if let Some(cell) = cell {
-                    let visible = cell.seq == s
-                        && cell.pos <= p
-                        && window.is_none_or(|w| p - cell.pos < w as i32);
-                    if visible {
-                        r[c] = 0.0;
-                    }
+            let (word, bit) = (s as usize / 64, 1u64 << (s % 64));
+            for (c, out) in r.iter_mut().enumerate() {
+                let cp = self.pos[c];
+                let visible = cp != FREE
+                    && self.seq_bits[c * self.words + word] & bit != 0
+                    && cp <= p
+                    && window.is_none_or(|w| p - cp < w as i32);
+                if visible {
+                    *out = 0.0;
                 }
             }
         }
@@ -285,10 +412,7 @@ impl KvCache {
         }
         let rows = self.used_end;
         Ok(KvLayers {
-            cells: self.cells[..rows]
-                .iter()
-                .map(|c| c.map(|c| (c.seq, c.pos)))
-                .collect(),
+            cells: (0..rows).map(|c| self.cell(c)).collect(),
             layers: layers
                 .map(|il| {
                     let k = read_rows(self.k(il), rows);
@@ -348,11 +472,17 @@ impl KvCache {
             }
         }
         if take_table {
-            self.cells.fill(None);
-            for (c, k) in self.cells.iter_mut().zip(&kv.cells) {
-                *c = k.map(|(seq, pos)| Cell { seq, pos });
+            self.clear();
+            for (c, k) in kv.cells.iter().enumerate() {
+                if let Some(k) = k {
+                    self.pos[c] = k.pos;
+                    self.cached[c] = k.cached;
+                    for &s in &k.seqs {
+                        self.set_seq(c, s, true);
+                    }
+                    self.n_used += 1;
+                }
             }
-            self.n_used = kv.cells.iter().flatten().count();
             self.used_end = n;
             self.shrink();
         }
@@ -363,46 +493,68 @@ impl KvCache {
     /// it fits (cells, sequences, positions); else that it is this cache's.
     pub(crate) fn check_table(
         &self,
-        cells: &[Option<(u32, i32)>],
+        cells: &[Option<KvCell>],
         take: bool,
     ) -> Result<(), EngineError> {
         let bad = |why: String| Err(EngineError::Config(format!("KV import: {why}")));
         let n = cells.len();
-        if n > self.cells.len() {
+        if n > self.n_cells() {
             return bad(format!(
                 "the import carries {n} cells but this cache has {}",
-                self.cells.len()
+                self.n_cells()
             ));
         }
         if take {
             for (i, c) in cells.iter().enumerate() {
-                if let Some((s, p)) = *c {
-                    if s as usize >= self.cfg.n_seq || p < 0 || p as usize >= self.cfg.n_ctx {
-                        return bad(format!(
-                            "cell {i} holds sequence {s} position {p}, outside this cache's {} sequences of {} positions",
-                            self.cfg.n_seq, self.cfg.n_ctx
-                        ));
-                    }
+                let Some(c) = c else { continue };
+                let p = c.pos;
+                if let Some(&s) = c.seqs.iter().find(|&&s| s as usize >= self.cfg.n_seq) {
+                    return bad(format!(
+                        "cell {i} holds sequence {s}, outside this cache's {} sequences",
+                        self.cfg.n_seq
+                    ));
+                }
+                if p < 0 || p as usize >= self.cfg.n_ctx {
+                    return bad(format!(
+                        "cell {i} holds position {p}, outside this cache's {} positions",
+                        self.cfg.n_ctx
+                    ));
+                }
+                if c.seqs.is_empty() && !c.cached {
+                    return bad(format!(
+                        "cell {i} is marked used but no sequence sees it and the cache does not keep it"
+                    ));
                 }
             }
         } else {
-            let show = |c: Option<(u32, i32)>| match c {
-                Some((s, p)) => format!("sequence {s} position {p}"),
+            let show = |c: Option<&KvCell>| match c {
+                Some(c) => c.to_string(),
                 None => "a free cell".into(),
             };
             for i in 0..n.max(self.used_end) {
-                let here = self.cells[i].map(|c| (c.seq, c.pos));
-                let there = cells.get(i).copied().flatten();
+                let here = self.cell(i);
+                let there = cells.get(i).cloned().flatten();
                 if here != there {
                     return bad(format!(
                         "cell tables differ at cell {i}: this cache has {}, the import {}",
-                        show(here),
-                        show(there)
+                        show(here.as_ref()),
+                        show(there.as_ref())
                     ));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Cell `c` as the byte form carries it.
+    fn cell(&self, c: usize) -> Option<KvCell> {
+        self.in_use(c).then(|| KvCell {
+            pos: self.pos[c],
+            seqs: (0..self.cfg.n_seq as u32)
+                .filter(|&s| self.has_seq(c, s))
+                .collect(),
+            cached: self.cached[c],
+        })
     }
 
     /// Bytes of one cell's K row and V row (0 without V).

@@ -41,14 +41,45 @@ impl KvConfig {
     }
 }
 
+/// A used cell of the table: its position, the sequences that see it,
+/// and whether the prefix cache keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvCell {
+    pub pos: i32,
+    /// Ascending.
+    pub seqs: Vec<u32>,
+    pub cached: bool,
+}
+
+impl KvCell {
+    /// A cell one sequence sees.
+    pub fn of(seq: u32, pos: i32) -> KvCell {
+        KvCell {
+            pos,
+            seqs: vec![seq],
+            cached: false,
+        }
+    }
+}
+
+impl std::fmt::Display for KvCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "position {} seen by sequences {:?}", self.pos, self.seqs)?;
+        if self.cached {
+            write!(f, ", kept by the prefix cache")?;
+        }
+        Ok(())
+    }
+}
+
 /// The cache of some layers, as [`KvCache::export`] takes it out: the cell
 /// table up to the last used cell (`used_end`; every cell past it is free,
 /// so nothing past it is carried), and per layer the F16 rows of those
 /// cells, exactly the bytes the cache holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvLayers {
-    /// `(sequence, position)` of each cell in order, `None` for a free one.
-    pub cells: Vec<Option<(u32, i32)>>,
+    /// Each cell in order, `None` for a free one.
+    pub cells: Vec<Option<KvCell>>,
     pub layers: Vec<KvLayer>,
 }
 
@@ -63,8 +94,11 @@ pub struct KvLayer {
 }
 
 const KV_MAGIC: &[u8; 4] = b"OMKV";
-/// The `seq` of a free cell in the byte form.
+/// The `seq` of a free cell in version 1 of the byte form.
 const FREE_SEQ: u32 = u32::MAX;
+/// Version 2's per-cell flags.
+const CELL_USED: u32 = 1;
+const CELL_CACHED: u32 = 2;
 
 impl KvLayers {
     /// Bytes of K and V rows carried.
@@ -72,22 +106,47 @@ impl KvLayers {
         self.layers.iter().map(|l| l.k.len() + l.v.len()).sum()
     }
 
-    /// The byte form, little-endian: `OMKV`, version u32 (1), n_cells u32,
-    /// n_layers u32; per cell seq u32 and pos i32 (a free cell is seq
-    /// `u32::MAX`, pos 0); per layer: layer u32, k_len u64, v_len u64, then
-    /// the K bytes and the V bytes.
+    /// The byte form, little-endian: `OMKV`, version u32 (2), n_cells u32,
+    /// n_layers u32, seq_words u32; per cell pos i32, flags u32 (bit 0
+    /// used, bit 1 kept by the prefix cache) and seq_words u64 words of the
+    /// sequences that see it (bit `s % 64` of word `s / 64`); per layer:
+    /// layer u32, k_len u64, v_len u64, then the K bytes and the V bytes.
+    /// Version 1 (per cell one seq u32, `u32::MAX` when free, and pos i32)
+    /// is still read.
     pub fn to_bytes(&self) -> Vec<u8> {
+        let max_seq = self
+            .cells
+            .iter()
+            .flatten()
+            .flat_map(|c| c.seqs.iter())
+            .max();
+        let words = max_seq.map_or(0, |&s| s as usize / 64 + 1);
         let mut out = Vec::with_capacity(
-            16 + 8 * self.cells.len() + 20 * self.layers.len() + self.data_bytes(),
+            20 + (8 + 8 * words) * self.cells.len() + 20 * self.layers.len() + self.data_bytes(),
         );
         out.extend_from_slice(KV_MAGIC);
-        out.extend_from_slice(&1u32.to_le_bytes());
+        out.extend_from_slice(&2u32.to_le_bytes());
         out.extend_from_slice(&(self.cells.len() as u32).to_le_bytes());
         out.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(words as u32).to_le_bytes());
         for c in &self.cells {
-            let (seq, pos) = c.unwrap_or((FREE_SEQ, 0));
-            out.extend_from_slice(&seq.to_le_bytes());
+            let (pos, flags, seqs) = match c {
+                Some(c) => (
+                    c.pos,
+                    CELL_USED | if c.cached { CELL_CACHED } else { 0 },
+                    &c.seqs[..],
+                ),
+                None => (0, 0, &[][..]),
+            };
             out.extend_from_slice(&pos.to_le_bytes());
+            out.extend_from_slice(&flags.to_le_bytes());
+            let mut bits = vec![0u64; words];
+            for &s in seqs {
+                bits[s as usize / 64] |= 1 << (s % 64);
+            }
+            for w in bits {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
         }
         for l in &self.layers {
             out.extend_from_slice(&l.layer.to_le_bytes());
@@ -111,23 +170,46 @@ impl KvLayers {
         }
         let mut r = ByteReader { b, at: 4 };
         let version = r.u32()?;
-        if version != 1 {
+        if version != 1 && version != 2 {
             return Err(bad_bytes(format!(
-                "unknown version {version} (this build reads 1)"
+                "unknown version {version} (this build reads 1 and 2)"
             )));
         }
         let (n_cells, n_layers) = (r.u32()? as usize, r.u32()? as usize);
-        if n_cells.saturating_mul(8) > b.len() - 16 {
+        let words = if version == 2 { r.u32()? as usize } else { 0 };
+        let per_cell = 8usize.saturating_add(words.saturating_mul(8));
+        let left = b.len() - r.at;
+        if n_cells.saturating_mul(per_cell) > left {
             return Err(bad_bytes(format!(
-                "{n_cells} cells need {} bytes, only {} follow the header",
-                n_cells.saturating_mul(8),
-                b.len() - 16
+                "{n_cells} cells need {} bytes, only {left} follow the header",
+                n_cells.saturating_mul(per_cell),
             )));
         }
         let mut cells = Vec::with_capacity(n_cells);
-        for _ in 0..n_cells {
-            let (seq, pos) = (r.u32()?, r.u32()? as i32);
-            cells.push((seq != FREE_SEQ).then_some((seq, pos)));
+        for i in 0..n_cells {
+            if version == 1 {
+                let (seq, pos) = (r.u32()?, r.u32()? as i32);
+                cells.push((seq != FREE_SEQ).then(|| KvCell::of(seq, pos)));
+                continue;
+            }
+            let (pos, flags) = (r.u32()? as i32, r.u32()?);
+            let mut seqs = Vec::new();
+            for w in 0..words {
+                let bits = r.u64()?;
+                seqs.extend(
+                    (0..64)
+                        .filter(|b| bits & (1 << b) != 0)
+                        .map(|b| (w * 64 + b) as u32),
+                );
+            }
+            if flags & !(CELL_USED | CELL_CACHED) != 0 {
+                return Err(bad_bytes(format!("cell {i} has unknown flags {flags:#x}")));
+            }
+            cells.push((flags & CELL_USED != 0).then_some(KvCell {
+                pos,
+                seqs,
+                cached: flags & CELL_CACHED != 0,
+            }));
         }
         let mut layers = Vec::new();
         for _ in 0..n_layers {

@@ -328,11 +328,35 @@ impl Stage {
         self.kv.remove_seq(seq, from);
     }
 
-    /// Frees every KV cell (a recovery starts the cache over).
+    /// Frees every KV cell, the prefix cache's too (a recovery starts the
+    /// cache over).
     pub fn clear_kv(&mut self) {
-        for seq in 0..self.kv.config().n_seq as u32 {
-            self.kv.remove_seq(seq, None);
+        self.kv.clear();
+    }
+
+    /// Lets `seq` see cells other sequences computed ([`KvCache::share`]).
+    /// A stage without layers keeps no cells, so has nothing to do.
+    pub fn share_kv(&mut self, seq: u32, cells: &[i64]) -> Result<(), EngineError> {
+        if self.range.layers.is_empty() {
+            return Ok(());
         }
+        self.kv.share(seq, cells)
+    }
+
+    /// Keeps cells for the prefix cache ([`KvCache::retain`]).
+    pub fn retain_kv(&mut self, cells: &[i64]) -> Result<(), EngineError> {
+        if self.range.layers.is_empty() {
+            return Ok(());
+        }
+        self.kv.retain(cells)
+    }
+
+    /// Gives cells up from the prefix cache ([`KvCache::evict`]).
+    pub fn evict_kv(&mut self, cells: &[i64]) -> Result<(), EngineError> {
+        if self.range.layers.is_empty() {
+            return Ok(());
+        }
+        self.kv.evict(cells)
     }
 
     /// The KV cell of each token of the last step that ran (empty if the
