@@ -28,6 +28,13 @@ use omni_proto::coordinator::v1::{inference_server, InfoReply, WorkerKind};
 use omni_proto::worker::v1::{worker_client::WorkerClient, Inventory};
 use omni_transport::{Inbox, Outbox, TransportChoice};
 use plan::{ExpertPolicy, WorkerSpec};
+
+/// A feature on or off (`--prefix-cache off`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
 use scheduler::{Event, Scheduler};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -102,6 +109,16 @@ pub struct CoordinatorConfig {
     /// take whole `--ubatch` steps.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// The prefix cache: a prompt starts from the KV cells of an earlier
+    /// prompt with the same beginning (in blocks of 16 tokens) and computes
+    /// only the rest; finished prompts and answers stay cached until their
+    /// cells are needed. It lives in the KV cache the plan sized.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub prefix_cache: Switch,
+    /// Most KV cells (tokens) the prefix cache keeps that no running
+    /// request uses (default: the whole KV cache, --ctx x --seqs).
+    #[arg(long)]
+    pub prefix_cache_size: Option<usize>,
     /// Memory left unplanned on every worker (fraction).
     #[arg(long, default_value_t = 0.10)]
     pub headroom: f64,

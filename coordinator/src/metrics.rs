@@ -17,6 +17,74 @@ pub struct StageLabel {
     pub stage: u32,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+/// The prefix cache's counters (the same on every stage by construction;
+/// each worker reports the bytes it holds for the cache).
+#[derive(Default)]
+pub struct PrefixMetrics {
+    /// Requests that looked their prompt up.
+    pub lookups: Counter<u64, AtomicU64>,
+    /// Prompt tokens taken from the cache, and computed by requests that looked up.
+    pub hit_tokens: Counter<u64, AtomicU64>,
+    pub miss_tokens: Counter<u64, AtomicU64>,
+    /// Blocks evicted, by why ("need": a step needed the cells; "bound":
+    /// over --prefix-cache-size).
+    pub evictions: Family<ReasonLabel, Counter<u64, AtomicU64>>,
+    /// Cells the cache holds on every stage.
+    pub cells: Gauge<i64>,
+    /// Recoveries that dropped the cache.
+    pub dropped: Counter<u64, AtomicU64>,
+}
+
+impl PrefixMetrics {
+    pub fn evicted(&self, reason: &str, blocks: usize) {
+        if blocks > 0 {
+            self.evictions
+                .get_or_create(&ReasonLabel {
+                    reason: reason.into(),
+                })
+                .inc_by(blocks as u64);
+        }
+    }
+
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "prefix_cache_lookups",
+            "Requests that looked their prompt up in the prefix cache",
+            self.lookups.clone(),
+        );
+        r.register(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens taken from the prefix cache",
+            self.hit_tokens.clone(),
+        );
+        r.register(
+            "prefix_cache_miss_tokens",
+            "Prompt tokens computed by requests that looked up",
+            self.miss_tokens.clone(),
+        );
+        r.register(
+            "prefix_cache_evictions",
+            "Prefix cache blocks evicted (reason: need, bound)",
+            self.evictions.clone(),
+        );
+        r.register(
+            "prefix_cache_cells",
+            "KV cells the prefix cache holds on every stage",
+            self.cells.clone(),
+        );
+        r.register(
+            "prefix_cache_dropped",
+            "Recoveries that dropped the prefix cache",
+            self.dropped.clone(),
+        );
+    }
+}
+
 pub struct Metrics {
     pub steps: Counter<u64, AtomicU64>,
     pub tokens_in: Counter<u64, AtomicU64>,
@@ -39,6 +107,7 @@ pub struct Metrics {
     expert_wait_ms: Family<StageLabel, Histogram, fn() -> Histogram>,
     /// Prompt tokens of each step that also decoded (see `--prefill-chunk`).
     pub mixed_step_prompt_tokens: Histogram,
+    pub prefix: PrefixMetrics,
 }
 
 /// The most recent `SAMPLES` values of something.
@@ -141,7 +210,10 @@ impl Metrics {
             "Time one step of each stage waited for expert workers, milliseconds",
             expert_wait_ms.clone(),
         );
+        let prefix = PrefixMetrics::default();
+        prefix.register(&mut r);
         Metrics {
+            prefix,
             steps,
             tokens_in,
             tokens_out,

@@ -253,6 +253,7 @@ impl inference_server::Inference for InferenceSvc {
             completion_tokens = tracing::field::Empty,
             finish_reason = tracing::field::Empty,
             ttft_ms = tracing::field::Empty,
+            cached_tokens = tracing::field::Empty,
             error = tracing::field::Empty,
             otel.status_code = tracing::field::Empty,
         );
@@ -280,6 +281,7 @@ impl inference_server::Inference for InferenceSvc {
                 arrived,
                 span,
                 traceparent,
+                cache_prompt: r.cache_prompt.unwrap_or(true),
             })))
             .map_err(|_| Error::NotReady("the scheduler has stopped".into()))?;
         Ok(Response::new(stream))

@@ -367,6 +367,15 @@ pub(crate) fn open_model(
             cfg.ctx
         );
     }
+    let pool = cfg.ctx * cfg.seqs;
+    if let Some(n) = cfg.prefix_cache_size.filter(|&n| n > pool) {
+        anyhow::bail!(
+            "--prefix-cache-size {n} exceeds the KV cache of {pool} cells (--ctx {} x --seqs {}); \
+             the prefix cache lives in it",
+            cfg.ctx,
+            cfg.seqs
+        );
+    }
     Ok((model, tokenizer, template))
 }
 
@@ -499,6 +508,8 @@ pub(crate) fn scheduler_config(cfg: &CoordinatorConfig, n_groups: usize) -> Sche
         n_groups,
         step_timeout: Duration::from_secs_f64(cfg.step_timeout),
         max_queue: cfg.max_queue,
+        prefix_cache: (cfg.prefix_cache == crate::Switch::On)
+            .then(|| cfg.prefix_cache_size.unwrap_or(cfg.ctx * cfg.seqs)),
     }
 }
 

@@ -494,6 +494,8 @@ impl worker_server::Worker for Svc {
             loaded: st.exec.is_some(),
             range: st.range.as_ref().map(|r| r.to_string()).unwrap_or_default(),
             kv_cells_used: w.stats.kv_cells_used.load(Ordering::Relaxed),
+            kv_cells_cached: w.stats.kv_cells_cached.load(Ordering::Relaxed),
+            kv_cached_bytes: w.stats.kv_cached_bytes.load(Ordering::Relaxed),
             kv_cells_total: st.kv_cells,
             steps: w.stats.steps.load(Ordering::Relaxed),
             last_step_ms: w.stats.last_step_us.load(Ordering::Relaxed) as f64 / 1e3,

@@ -47,6 +47,16 @@ impl Worker {
             ConstGauge::new(get(&s.kv_cells_used) as i64),
         );
         r.register(
+            "kv_cells_cached",
+            "KV cache cells the prefix cache keeps",
+            ConstGauge::new(get(&s.kv_cells_cached) as i64),
+        );
+        r.register(
+            "kv_cached_bytes",
+            "Bytes of K and V the prefix cache's cells hold on this stage",
+            ConstGauge::new(get(&s.kv_cached_bytes) as i64),
+        );
+        r.register(
             "step_errors",
             "Steps that failed",
             ConstCounter::new(get(&s.errors)),

@@ -199,6 +199,7 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
         logprobs: a.top_logprobs > 0,
         top_logprobs: a.top_logprobs as u32,
         request_id: String::new(),
+        cache_prompt: None,
     };
     let t0 = Instant::now();
     let mut stream = match c.generate(req).await {

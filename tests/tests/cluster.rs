@@ -297,7 +297,11 @@ fn worker_dying_mid_request_ends_the_stream_with_a_clear_error_when_it_cannot_re
 #[test]
 fn cancelling_a_request_frees_its_kv_cache_on_every_worker() {
     let _g = serial();
-    let c = Cluster::start(&model(GEMMA), &ClusterSpec::new(2, "shm"));
+    // Without the prefix cache every cell is free again (with it, the
+    // cache's stay: `prefix_cache.rs`).
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.coordinator_args = vec!["--prefix-cache".into(), "off".into()];
+    let c = Cluster::start(&model(GEMMA), &spec);
     let used = || c.kv_cells_used();
     let prompt = short_prompts("real_gemma3_270m.json", 1).remove(0);
     let mut client = c.client().unwrap();

@@ -298,8 +298,103 @@ fn flooding_past_the_limit_gets_429_and_accepted_requests_finish() {
     assert_eq!(st, 200, "{body}");
 }
 
+/// A 10-turn chat through the router gives the same greedy answers with
+/// the prefix cache and without it (`cache_prompt: false`), near ties
+/// excepted, and `usage.prompt_tokens_details.cached_tokens` says what was
+/// reused: nothing on the first turn or without the cache; from turn 2 on,
+/// at least the whole blocks of the previous turn's prompt (the template
+/// renders the history as a prefix), never the last prompt token, always
+/// whole blocks of 16.
+#[test]
+fn a_ten_turn_chat_gives_the_same_tokens_with_and_without_the_prefix_cache() {
+    const NEAR_TIE: f64 = 1.0;
+    let questions = [
+        "Name a colour.",
+        "Why is the sky blue? One sentence.",
+        "Count from one to five.",
+        "What is the capital of Italy?",
+        "Say something about cats.",
+        "Which is larger, 7 or 12?",
+        "Give me a word that rhymes with tree.",
+        "What do bees make?",
+        "Name a planet.",
+        "Summarise our chat in one line.",
+    ];
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = serve(&[]);
+    let mut messages: Vec<Value> =
+        vec![json!({"role": "system", "content": "You are a terse assistant. ".repeat(6)})];
+    let mut prev_prompt = 0u64;
+    for (turn, q) in questions.iter().enumerate() {
+        messages.push(json!({"role": "user", "content": q}));
+        let ask = |cache: Option<bool>| {
+            let mut body = json!({"model": "gemma", "messages": messages, "max_tokens": 24,
+                                  "temperature": 0, "logprobs": true, "top_logprobs": 2});
+            if let Some(c) = cache {
+                body["cache_prompt"] = json!(c);
+            }
+            let (st, text) = post(&s.addr, "/v1/chat/completions", &body);
+            assert_eq!(st, 200, "turn {turn}: {text}");
+            serde_json::from_str::<Value>(&text).unwrap()
+        };
+        let off = ask(Some(false));
+        let on = ask(None);
+        let cached = |v: &Value| {
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        };
+        let prompt = on["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(cached(&off), 0, "turn {turn}: cache_prompt false");
+        let c = cached(&on);
+        assert_eq!(c % 16, 0, "turn {turn}: whole blocks ({c})");
+        assert!(
+            c < prompt,
+            "turn {turn}: {c} of {prompt} prompt tokens cached"
+        );
+        if turn == 0 {
+            assert_eq!(c, 0, "nothing is cached before the first turn");
+        } else {
+            assert!(
+                c >= prev_prompt / 16 * 16,
+                "turn {turn}: {c} cached, the previous prompt had {prev_prompt}"
+            );
+        }
+        eprintln!("turn {turn}: {prompt} prompt tokens, {c} cached");
+        prev_prompt = prompt;
+        let content = |v: &Value| {
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        if content(&off) != content(&on) {
+            let toks = |v: &Value| {
+                v["choices"][0]["logprobs"]["content"]
+                    .as_array()
+                    .unwrap()
+                    .clone()
+            };
+            let (a, b) = (toks(&off), toks(&on));
+            let k = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x["token"] != y["token"])
+                .expect("different texts differ in a token");
+            let top = a[k]["top_logprobs"].as_array().unwrap();
+            let gap = top[0]["logprob"].as_f64().unwrap() - top[1]["logprob"].as_f64().unwrap();
+            eprintln!("turn {turn}: differs at token {k}, top-2 gap {gap:.4}");
+            assert!(
+                gap < NEAR_TIE,
+                "turn {turn}: differs at token {k}, not a near tie (gap {gap})"
+            );
+        }
+        messages.push(json!({"role": "assistant", "content": content(&off)}));
+    }
+}
+
 /// Streaming clients that disconnect mid-generation free their sequences:
-/// every worker's KV cache is empty again soon after.
+/// soon after, every worker uses only the cells the prefix cache keeps.
 #[test]
 fn disconnecting_streaming_clients_frees_their_sequences() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -333,8 +428,9 @@ fn disconnecting_streaming_clients_frees_their_sequences() {
     drop(clients);
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let now = used();
-        if now.iter().all(|&u| u == 0) {
+        let st = s._cluster.statuses();
+        let now: Vec<u64> = st.iter().map(|s| s.kv_cells_used).collect();
+        if st.iter().all(|s| s.kv_cells_used == s.kv_cells_cached) {
             break;
         }
         assert!(

@@ -16,6 +16,14 @@
 //! then can a new sequence take the slot. Frames travel one FIFO path, so a
 //! step sent before the removal can never see the new owner's tokens.
 //!
+//! Prefix cache (`prefix.rs`): a new sequence starts from the longest run
+//! of cached blocks its prompt begins with; every stage lets its slot see
+//! those cells (shared, not copied) and it prefills only the rest. Blocks
+//! of fed tokens are registered once their step came back; a sequence's
+//! blocks are kept when it ends and evicted least recently used first when
+//! a step needs their cells. The cache lives in the KV pool the planner
+//! sized, so it never takes cells a running sequence needs.
+//!
 //! Recovery: when a worker is lost (its health, a broken link, a failed or
 //! stuck step), nothing is failed at once. The scheduler drops what was in
 //! flight, asks the recovery task (`recover.rs`) to bring the pipeline
@@ -30,6 +38,7 @@
 //! are told apart by their id (the fence) and ignored, here and on every
 //! stage.
 
+pub mod prefix;
 mod recovery;
 mod step;
 
@@ -81,6 +90,8 @@ pub struct NewSeq {
     pub span: tracing::Span,
     /// What the stages' spans hang under (None: traces are off).
     pub traceparent: Option<String>,
+    /// Whether the prompt may use the prefix cache and leave blocks in it.
+    pub cache_prompt: bool,
 }
 
 impl NewSeq {
@@ -133,6 +144,9 @@ pub struct SchedulerConfig {
     /// Most requests waiting for a slot; beyond it new ones are refused
     /// (UNAVAILABLE, which the router answers with 503 and Retry-After).
     pub max_queue: usize,
+    /// The prefix cache, if on: the most KV cells it keeps that no running
+    /// sequence uses.
+    pub prefix_cache: Option<usize>,
 }
 
 struct Seq {
@@ -153,6 +167,16 @@ struct Seq {
     /// Of those, how many began with a worker that died while a step of
     /// this sequence was in flight.
     crashes: u32,
+    /// Prompt tokens it started from the prefix cache with (positions
+    /// `0..prefix`, in `prefix_cells`, which other sequences may see too).
+    prefix: usize,
+    prefix_cells: Vec<i64>,
+    /// The cell of each fed token whose step came back (prefix first).
+    cells: Vec<i64>,
+    /// Its blocks in the prefix cache.
+    chain: prefix::Chain,
+    /// Reported in `Done` (a recovery can set it back to 0).
+    cached_tokens: usize,
 }
 
 /// One sequence's part of a step: tokens `from..from + n` of its log,
@@ -211,6 +235,8 @@ pub struct Scheduler {
     /// Results of steps before this id belong to a broken pipeline.
     fence: u64,
     recover: Option<tokio::sync::mpsc::UnboundedSender<RecoveryNeeded>>,
+    /// None when the prefix cache is off.
+    prefix: Option<prefix::PrefixCache>,
 }
 
 impl Scheduler {
@@ -225,6 +251,7 @@ impl Scheduler {
     ) -> Scheduler {
         let n_groups = cfg.n_groups.max(1);
         Scheduler {
+            prefix: cfg.prefix_cache.map(prefix::PrefixCache::new),
             free_slots: (0..cfg.n_seq as u32).rev().collect(),
             groups: (0..n_groups).map(|_| None).collect(),
             logs: (0..n_groups).map(|_| VecDeque::new()).collect(),
@@ -346,6 +373,11 @@ impl Scheduler {
         if let Some(s) = self.seqs.remove(&id) {
             self.order.retain(|&o| o != id);
             self.pending_remove.push(s.slot);
+            if let Some(pc) = self.prefix.as_mut() {
+                pc.release(s.chain);
+                self.metrics.prefix.evicted("bound", pc.enforce_bound());
+                self.metrics.prefix.cells.set(pc.retained_cells() as i64);
+            }
             for log in self.logs.iter_mut().chain(self.replay.iter_mut()) {
                 for step in log.iter_mut() {
                     step.retain(|e| e.seq != id);
@@ -390,5 +422,7 @@ fn seq_start(s: &Seq) -> SeqStart {
         top_logprobs: s.new.top_logprobs,
         logprobs: s.new.logprobs,
         prompt_len: s.new.prompt.len() as u32,
+        prefix_cells: s.prefix_cells.clone(),
+        prefix_tokens: s.tokens[..s.prefix].to_vec(),
     }
 }

@@ -129,6 +129,7 @@ impl Scheduler {
             }
             self.drop_seq(id);
         }
+        self.drop_prefix_cache();
         for (g, log) in self.logs.iter_mut().enumerate() {
             self.replay[g] = std::mem::take(log);
         }
@@ -145,6 +146,90 @@ impl Scheduler {
             omni_engine::count(steps as u64, "step"),
             omni_engine::count(self.seqs.len() as u64, "sequence")
         );
+    }
+
+    /// The stages were reset, so the prefix cache's cells are gone: the
+    /// index is cleared, and a sequence that started from cached cells
+    /// computes its prefix again in its own cells, first in its group's
+    /// replay (cells no logged step names, its old ones where it can).
+    /// Its blocks are registered again, as its own.
+    fn drop_prefix_cache(&mut self) {
+        let Some(pc) = self.prefix.as_mut() else {
+            return;
+        };
+        let blocks = pc.clear();
+        let mut used: std::collections::HashSet<i64> = self
+            .logs
+            .iter()
+            .flatten()
+            .flatten()
+            .flat_map(|e| e.cells.iter().copied())
+            .collect();
+        let mut lowest = 0i64;
+        let mut recomputed = 0;
+        for id in &self.order {
+            let s = self.seqs.get_mut(id).expect("ordered sequences are live");
+            s.chain = prefix::Chain::default();
+            s.cells.truncate(s.fed);
+            if s.prefix == 0 {
+                continue;
+            }
+            recomputed += 1;
+            let k = std::mem::take(&mut s.prefix);
+            let old = std::mem::take(&mut s.prefix_cells);
+            if s.fed == 0 {
+                // Nothing of it ran since: it prefills from the start.
+                s.cells.clear();
+                s.cached_tokens = 0;
+                continue;
+            }
+            let mut cells = Vec::with_capacity(k);
+            for c in old {
+                let c = if used.contains(&c) {
+                    while used.contains(&lowest) {
+                        lowest += 1;
+                    }
+                    lowest
+                } else {
+                    c
+                };
+                used.insert(c);
+                cells.push(c);
+            }
+            s.cells[..k].copy_from_slice(&cells);
+            let chunk = self.cfg.n_ubatch.max(1);
+            let entries: Vec<Vec<Entry>> = (0..k)
+                .step_by(chunk)
+                .map(|from| {
+                    let n = chunk.min(k - from);
+                    vec![Entry {
+                        seq: *id,
+                        from,
+                        n,
+                        logits: false,
+                        cells: cells[from..from + n].to_vec(),
+                    }]
+                })
+                .collect();
+            for e in entries.into_iter().rev() {
+                self.logs[s.group].push_front(e);
+            }
+        }
+        for id in &self.order {
+            let s = self.seqs.get_mut(id).unwrap();
+            if s.new.cache_prompt {
+                pc.register(&mut s.chain, &s.tokens, &s.cells);
+            }
+        }
+        if blocks > 0 || recomputed > 0 {
+            tracing::warn!(
+                "recovery dropped the prefix cache ({}); cached prefixes of {} are computed again",
+                omni_engine::count(blocks as u64, "block"),
+                omni_engine::count(recomputed as u64, "sequence")
+            );
+            self.metrics.prefix.dropped.inc();
+        }
+        self.metrics.prefix.cells.set(pc.retained_cells() as i64);
     }
 
     /// Whether replayed steps are still to send or on their way (nothing
@@ -178,6 +263,10 @@ impl Scheduler {
             s.fail(status.clone());
         }
         self.order.clear();
+        if let Some(pc) = self.prefix.as_mut() {
+            pc.clear();
+            self.metrics.prefix.cells.set(0);
+        }
         self.logs.iter_mut().for_each(VecDeque::clear);
         self.replay.iter_mut().for_each(VecDeque::clear);
     }

@@ -36,6 +36,20 @@ impl Scheduler {
                 .unwrap_or(0);
             let tokens = new.prompt.clone();
             let stops = StopMatcher::new(new.stop.clone());
+            let hit = match self.prefix.as_mut() {
+                Some(pc) if new.cache_prompt => {
+                    let hit = pc.lookup(&new.prompt);
+                    let m = &self.metrics.prefix;
+                    m.lookups.inc();
+                    m.hit_tokens.inc_by(hit.cells.len() as u64);
+                    m.miss_tokens
+                        .inc_by((new.prompt.len() - hit.cells.len()) as u64);
+                    new.span.record("cached_tokens", hit.cells.len());
+                    hit
+                }
+                _ => prefix::Hit::default(),
+            };
+            let k = hit.cells.len();
             self.order.push(new.id);
             self.seqs.insert(
                 new.id,
@@ -44,7 +58,12 @@ impl Scheduler {
                     slot,
                     group,
                     tokens,
-                    fed: 0,
+                    fed: k,
+                    prefix: k,
+                    cells: hit.cells.clone(),
+                    prefix_cells: hit.cells,
+                    chain: hit.chain,
+                    cached_tokens: k,
                     generated: 0,
                     started: false,
                     decoder: StreamDecoder::default(),
@@ -71,7 +90,8 @@ impl Scheduler {
                 }
             }
         }
-        if !self.pending_remove.is_empty() {
+        let cache_pending = self.prefix.as_ref().is_some_and(|p| p.has_pending());
+        if !self.pending_remove.is_empty() || cache_pending {
             let step = Step {
                 group: CONTROL_GROUP,
                 ..Default::default()
@@ -139,6 +159,7 @@ impl Scheduler {
         if step.tokens.is_empty() {
             None
         } else {
+            self.make_room();
             if prompt_tokens > 0 && prompt_tokens < step.tokens.len() {
                 self.metrics
                     .mixed_step_prompt_tokens
@@ -155,6 +176,23 @@ impl Scheduler {
         }
     }
 
+    /// Evicts prefix cache blocks until every cell sent (this step's
+    /// tokens too) fits in the pool. The evictions ride this step, and
+    /// every stage applies them before it takes cells for its tokens.
+    fn make_room(&mut self) {
+        let Some(pc) = self.prefix.as_mut() else {
+            return;
+        };
+        let own: usize = self.seqs.values().map(|s| s.fed - s.prefix).sum();
+        let n_cells = self.cfg.n_ctx * self.cfg.n_seq;
+        let used = own + pc.retained_cells();
+        if used > n_cells {
+            let keep = pc.retained_cells().saturating_sub(used - n_cells);
+            self.metrics.prefix.evicted("need", pc.shrink_to(keep));
+            self.metrics.prefix.cells.set(pc.retained_cells() as i64);
+        }
+    }
+
     /// Sends a step; a group's step records the owner of each of its slots.
     pub(super) fn send(&mut self, mut step: Step, group: Option<(usize, Flight)>) {
         step.id = self.next_step;
@@ -162,6 +200,9 @@ impl Scheduler {
         // Removals ride on whatever step goes first; the slots are free
         // for reuse once it is on its way.
         step.remove = std::mem::take(&mut self.pending_remove);
+        if let Some(pc) = self.prefix.as_mut() {
+            (step.retain, step.evict) = pc.take_pending();
+        }
         let freed = step.remove.clone();
         let n_tokens = step.tokens.len() as u64;
         let frame = Frame {
@@ -248,7 +289,7 @@ impl Scheduler {
             return;
         }
         let f = &inflight.flight;
-        self.log_step(g, &f.entries, &step.cells);
+        self.log_step(g, &f.entries, &step.cells, f.replay);
         if f.replay {
             self.check_replayed(&f.entries, &f.owners, &step.sampled);
             return;
@@ -263,17 +304,25 @@ impl Scheduler {
 
     /// Keeps a step that came back in its group's log, with the cells its
     /// tokens went into (in token order, as the first stage reported them).
-    pub(super) fn log_step(&mut self, g: usize, entries: &[Entry], cells: &[i64]) {
+    /// A step that is not a replay also gives its sequences' cells, and the
+    /// blocks they complete go into the prefix cache.
+    pub(super) fn log_step(&mut self, g: usize, entries: &[Entry], cells: &[i64], replay: bool) {
         let mut at = 0;
         let mut logged = Vec::new();
         for e in entries {
             let mine = cells.get(at..at + e.n).unwrap_or_default();
             at += e.n;
-            if self.seqs.contains_key(&e.seq) {
+            if let Some(s) = self.seqs.get_mut(&e.seq) {
                 logged.push(Entry {
                     cells: mine.to_vec(),
                     ..e.clone()
                 });
+                if !replay && s.cells.len() == e.from && mine.len() == e.n {
+                    s.cells.extend_from_slice(mine);
+                    if let (Some(pc), true) = (self.prefix.as_mut(), s.new.cache_prompt) {
+                        pc.register(&mut s.chain, &s.tokens, &s.cells);
+                    }
+                }
             }
         }
         if !logged.is_empty() {
@@ -350,6 +399,7 @@ impl Scheduler {
                 completion_tokens: s.generated as u32,
                 time_to_first_token_ms: ttft_ms,
                 total_ms: (now - s.new.arrived).as_secs_f64() * 1e3,
+                cached_tokens: s.cached_tokens as u32,
             });
         }
         let gone = s.new.events.send(Ok(ev)).is_err();

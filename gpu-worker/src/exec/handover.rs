@@ -20,7 +20,7 @@ impl StageRun {
         self.slots.clear();
         self.samplers.clear();
         self.fence = fence;
-        self.stats.kv_cells_used.store(0, Ordering::Relaxed);
+        self.publish_kv();
         tracing::info!(
             "stage {}: reset for recovery; frames of steps before {fence} are dropped",
             self.index
@@ -221,9 +221,7 @@ impl StageRun {
         self.stats
             .held_bytes
             .store(stage.map_or(0, Stage::held_bytes), Ordering::Relaxed);
-        self.stats
-            .kv_cells_used
-            .store(stage.map_or(0, |s| s.kv().used() as u64), Ordering::Relaxed);
+        self.publish_kv();
         stage.map(|s| s.range().clone())
     }
 }

@@ -31,6 +31,9 @@ pub struct ExecStats {
     /// Where the stage thread's time goes (Status, metrics).
     pub timeline: Timeline,
     pub kv_cells_used: AtomicU64,
+    /// Cells the prefix cache keeps, and the bytes they hold here.
+    pub kv_cells_cached: AtomicU64,
+    pub kv_cached_bytes: AtomicU64,
     pub errors: AtomicU64,
     /// Time steps spent waiting for expert workers, in microseconds.
     pub expert_wait_us: AtomicU64,
@@ -541,10 +544,7 @@ impl StageRun {
         } else {
             Vec::new()
         };
-        self.stats.kv_cells_used.store(
-            self.stage.as_ref().map_or(0, |s| s.kv().used() as u64),
-            Ordering::Relaxed,
-        );
+        self.publish_kv();
         Some((
             Frame {
                 meta: step.encode_to_vec(),
@@ -552,6 +552,19 @@ impl StageRun {
             },
             spans,
         ))
+    }
+
+    /// Publishes the KV cache's cell counts (Status, metrics).
+    fn publish_kv(&self) {
+        let kv = self.stage.as_ref().map(|s| s.kv());
+        let (used, cached, cached_bytes) = kv.map_or((0, 0, 0), |kv| {
+            (kv.used() as u64, kv.cached() as u64, kv.cached_bytes())
+        });
+        self.stats.kv_cells_used.store(used, Ordering::Relaxed);
+        self.stats.kv_cells_cached.store(cached, Ordering::Relaxed);
+        self.stats
+            .kv_cached_bytes
+            .store(cached_bytes, Ordering::Relaxed);
     }
 
     /// Runs a step; the traced requests' spans go into `spans`.
@@ -591,11 +604,21 @@ impl StageRun {
         let stage = self.stage.as_mut().ok_or_else(|| {
             format!("a step reached stage {index}, which holds no layers (its worker was drained)")
         })?;
+        // The prefix cache's part, in the order the coordinator counts on:
+        // keep, free the removed slots, give up, then let new sequences
+        // see their cached prefixes (control steps carry these too).
+        stage.retain_kv(&step.retain).map_err(|e| e.to_string())?;
         for &slot in &step.remove {
             self.slots.remove(&slot);
             stage.remove_seq(slot, None);
             self.samplers.remove(&slot);
             tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");
+        }
+        stage.evict_kv(&step.evict).map_err(|e| e.to_string())?;
+        for s in &step.starts {
+            stage
+                .share_kv(s.slot, &s.prefix_cells)
+                .map_err(|e| format!("slot {}: {e}", s.slot))?;
         }
         let head = stage.range().head;
         if head {
@@ -609,7 +632,8 @@ impl StageRun {
                 };
                 let sampler = Sampler::new(params);
                 let model = stage.model();
-                let seq = SeqSampler::new(sampler, start, Vec::new(), &mut self.grammars, model);
+                let history = s.prefix_tokens.clone();
+                let seq = SeqSampler::new(sampler, start, history, &mut self.grammars, model);
                 self.samplers.insert(s.slot, seq);
             }
         }

@@ -300,6 +300,7 @@ impl ChatCompletionRequest {
             sampling: Some(common.sampling()?),
             stop: common.stop()?,
             ignore_eos: self.ignore_eos == Some(true),
+            cache_prompt: self.cache_prompt,
             logprobs: self.logprobs(),
             top_logprobs,
             request_id: String::new(),

@@ -188,6 +188,7 @@ impl CompletionRequest {
             sampling: Some(common.sampling()?),
             stop: common.stop()?,
             ignore_eos: self.ignore_eos == Some(true),
+            cache_prompt: self.cache_prompt,
             logprobs: self.logprobs(),
             top_logprobs,
             request_id: String::new(),

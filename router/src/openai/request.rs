@@ -130,6 +130,9 @@ pub struct ChatCompletionRequest {
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
+    /// llama-server's: false keeps this prompt out of the prefix cache
+    /// (it neither starts from cached blocks nor leaves any).
+    pub cache_prompt: Option<bool>,
     /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
@@ -178,6 +181,9 @@ pub struct CompletionRequest {
     pub min_p: Option<f64>,
     pub repeat_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
+    /// llama-server's: false keeps this prompt out of the prefix cache
+    /// (it neither starts from cached blocks nor leaves any).
+    pub cache_prompt: Option<bool>,
     /// As for chat (llama.cpp's server takes it on completions too).
     pub response_format: Option<Value>,
     /// llama.cpp's extensions: a JSON schema, or a grammar (Lark syntax).

@@ -103,6 +103,15 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    /// Always sent, as OpenAI does.
+    #[serde(default)]
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens taken from the prefix cache.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -111,15 +120,16 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails::default(),
         }
     }
 
     /// The usage of `n` choices of one prompt: the prompt counted once, as OpenAI does.
     pub fn of(outputs: &[Generated]) -> Self {
-        let prompt = outputs
+        let (prompt, cached) = outputs
             .iter()
-            .find_map(|g| g.done.map(|d| d.prompt_tokens))
-            .unwrap_or(0);
+            .find_map(|g| g.done.map(|d| (d.prompt_tokens, d.cached_tokens)))
+            .unwrap_or((0, 0));
         let completion = outputs
             .iter()
             .map(|g| {
@@ -127,7 +137,12 @@ impl Usage {
                     .map_or(g.tokens.len() as u32, |d| d.completion_tokens)
             })
             .sum();
-        Self::new(prompt, completion)
+        Self {
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+            ..Self::new(prompt, completion)
+        }
     }
 }
 

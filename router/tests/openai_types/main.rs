@@ -74,6 +74,7 @@ fn done(reason: FinishReason, prompt: u32, completion: u32) -> Done {
         completion_tokens: completion,
         time_to_first_token_ms: 1.0,
         total_ms: 2.0,
+        cached_tokens: 0,
     }
 }
 

@@ -16,7 +16,10 @@ fn two_choices() -> Vec<Generated> {
         prompt_ids: vec![],
         tokens: vec![token(1, -0.25, &[(1, -0.25), (3, -2.0)])],
         text: "lo".into(),
-        done: Some(done(FinishReason::Length, 5, 2)),
+        done: Some(Done {
+            cached_tokens: 3,
+            ..done(FinishReason::Length, 5, 2)
+        }),
         ..Default::default()
     });
     let mut b = Generated::default();
@@ -27,7 +30,10 @@ fn two_choices() -> Vec<Generated> {
             token(3, f32::NEG_INFINITY, &[(3, f32::NEG_INFINITY)]),
         ],
         text: " world".into(),
-        done: Some(done(FinishReason::Stop, 5, 2)),
+        done: Some(Done {
+            cached_tokens: 3,
+            ..done(FinishReason::Stop, 5, 2)
+        }),
         ..Default::default()
     });
     vec![a, b]
@@ -55,10 +61,11 @@ fn chat_completion_json() {
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["created"], 1_700_000_000);
     assert_eq!(v["model"], "gemma");
-    // The prompt is counted once for n choices.
+    // The prompt (and its tokens from the prefix cache) is counted once
+    // for n choices.
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9})
+        json!({"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 3}})
     );
     let c0 = &v["choices"][0];
     assert_eq!(keys(c0), ["finish_reason", "index", "logprobs", "message"]);
@@ -100,7 +107,7 @@ fn chat_completion_json() {
     assert_eq!(v["choices"][0]["logprobs"], Value::Null);
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7})
+        json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}})
     );
 }
 
@@ -219,7 +226,7 @@ fn chat_stream_chunks_with_usage() {
     assert_eq!(v[4]["choices"], json!([]));
     assert_eq!(
         v[4]["usage"],
-        json!({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4})
+        json!({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0}})
     );
 
     let sse = sse_data(&chunks[1]);
