@@ -5,7 +5,9 @@
 //! benchmark (`../shared/seeds/`: three questions, `max_tokens` 256, no
 //! streaming, tokens over wall time per request); and for omni, where each
 //! stage's time went while N streams ran (computing, sending on, waiting
-//! for input) from the workers' Status.
+//! for input) from the workers' Status; and the prefix cache's run: time to
+//! first token of turn 10 of a chat with a long shared history, with the
+//! server's prompt cache and without (`cache_prompt`).
 
 use crate::bench_cluster::free_port;
 use crate::up::{LocalCluster, UpArgs};
@@ -46,6 +48,10 @@ pub struct BenchServeArgs {
     /// Skip the stall run (a long prompt arriving while a stream generates).
     #[arg(long)]
     pub no_stall: bool,
+    /// Skip the prefix run (turn 10 of a chat with a long history, with
+    /// and without the prompt cache).
+    #[arg(long)]
+    pub no_prefix: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -74,6 +80,7 @@ struct Row {
     many: f64,
     chat: Option<f64>,
     stall: Option<Stall>,
+    prefix: Option<Prefix>,
     /// Per stage: (worker, compute, send, input wait), fractions of the wall
     /// time of the N-stream runs.
     timeline: Vec<(String, f64, f64, f64)>,
@@ -108,14 +115,11 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
             rt.block_on(measure(&http, &base, "auto", &a, None))
         })();
         server.stop();
-        let (one, many, chat, stall, _) = result.context("benchmark 'llama-server'")?;
+        let m = result.context("benchmark 'llama-server'")?;
         rows.push(Row {
             name: format!("llama-server -np {} -t {threads}", a.streams),
-            one,
-            many,
-            chat,
-            stall,
             timeline: Vec::new(),
+            ..m
         });
     }
 
@@ -152,27 +156,11 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
             rt.block_on(measure(&http, &base, &model, &a, Some(&info)))
         })();
         cluster.stop();
-        let (one, many, chat, stall, timeline) =
-            result.with_context(|| format!("benchmark '{name}'"))?;
-        rows.push(Row {
-            name,
-            one,
-            many,
-            chat,
-            stall,
-            timeline,
-        });
+        let m = result.with_context(|| format!("benchmark '{name}'"))?;
+        rows.push(Row { name, ..m });
     }
     print(&a, &path, threads, &rows)
 }
-
-type Measured = (
-    f64,
-    f64,
-    Option<f64>,
-    Option<Stall>,
-    Vec<(String, f64, f64, f64)>,
-);
 
 /// One stream, N streams (with the stages' timeline), the chat benchmark,
 /// the stall run.
@@ -182,7 +170,7 @@ async fn measure(
     model: &str,
     a: &BenchServeArgs,
     cluster: Option<&omni_proto::coordinator::v1::InfoReply>,
-) -> anyhow::Result<Measured> {
+) -> anyhow::Result<Row> {
     // A warm-up request: the first one pays for page faults and caches.
     completion(http, base, model, PROMPTS[0], 8).await?;
     let mut one = Vec::new();
@@ -232,8 +220,109 @@ async fn measure(
         runs.into_iter()
             .min_by(|x, y| x.longest_ms.total_cmp(&y.longest_ms))
     };
+    let prefix = if a.no_prefix {
+        None
+    } else {
+        let mut runs = Vec::new();
+        for round in 0..a.rounds {
+            runs.push(prefix(http, base, model, round).await?);
+        }
+        // The round with the fastest cached turn.
+        runs.into_iter()
+            .min_by(|x, y| x.cached_ms.total_cmp(&y.cached_ms))
+    };
     let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    Ok((best(&one), best(&many), chat, stall, timeline))
+    Ok(Row {
+        name: String::new(),
+        one: best(&one),
+        many: best(&many),
+        chat,
+        stall,
+        prefix,
+        timeline,
+    })
+}
+
+/// Turn 10 of a chat whose history the server has seen.
+struct Prefix {
+    prompt_tokens: usize,
+    /// What the server says it took from its cache (when it says).
+    cached_tokens: Option<usize>,
+    /// Time to first token (a request for one token) with the prompt
+    /// cache and without it.
+    cached_ms: f64,
+    uncached_ms: f64,
+}
+
+/// Turns before the measured one.
+const PREFIX_TURNS: usize = 9;
+
+/// The prefix run: a system prompt of about 900 tokens, then 9 turns (a
+/// question, 32 greedy tokens of answer, kept in the history), then turn
+/// 10 asked for one token twice: with `cache_prompt` (omni's prefix cache,
+/// llama-server's slot cache; both on by default) and with `cache_prompt:
+/// false`. The request time of one token is the time to first token.
+async fn prefix(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    round: usize,
+) -> anyhow::Result<Prefix> {
+    // A different first word each round, so no round finds an earlier one's.
+    let system = format!(
+        "Round {round}. You answer questions about these topics. {}",
+        CHAT_PROMPTS.join(" ").repeat(32)
+    );
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+    let question = |turn: usize| {
+        format!(
+            "Question {turn}: {}",
+            CHAT_PROMPTS[turn % CHAT_PROMPTS.len()]
+        )
+    };
+    let ask = |messages: &Vec<serde_json::Value>, max_tokens: usize, cache: bool| {
+        http.post(format!("{base}/v1/chat/completions"))
+            .json(&serde_json::json!({
+                "model": model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "cache_prompt": cache,
+            }))
+    };
+    for turn in 0..PREFIX_TURNS {
+        messages.push(serde_json::json!({"role": "user", "content": question(turn)}));
+        let body = answer(ask(&messages, 32, true)).await?;
+        let text = body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        messages.push(serde_json::json!({"role": "assistant", "content": text}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": question(PREFIX_TURNS)}));
+    // Cached first: a request without the cache may leave a server's slot
+    // without the history.
+    let t = Instant::now();
+    let cached = answer(ask(&messages, 1, true)).await?;
+    let cached_ms = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    answer(ask(&messages, 1, false)).await?;
+    let uncached_ms = t.elapsed().as_secs_f64() * 1e3;
+    let usage = &cached["usage"];
+    Ok(Prefix {
+        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0) as usize,
+        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .map(|n| n as usize),
+        cached_ms,
+        uncached_ms,
+    })
+}
+
+/// A request's JSON answer; an error status is an error.
+async fn answer(req: reqwest::RequestBuilder) -> anyhow::Result<serde_json::Value> {
+    let r = req.send().await?;
+    let status = r.status();
+    let body: serde_json::Value = r.json().await?;
+    anyhow::ensure!(status.is_success(), "HTTP {status}: {body}");
+    Ok(body)
 }
 
 /// How a generating stream fares when a long prompt comes in beside it.
@@ -396,10 +485,7 @@ async fn chat(
 }
 
 async fn usage(req: reqwest::RequestBuilder) -> anyhow::Result<usize> {
-    let r = req.send().await?;
-    let status = r.status();
-    let body: serde_json::Value = r.json().await?;
-    anyhow::ensure!(status.is_success(), "HTTP {status}: {body}");
+    let body = answer(req).await?;
     body["usage"]["completion_tokens"]
         .as_u64()
         .map(|n| n as usize)
@@ -523,6 +609,14 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
                         "typical_gap_ms": s.typical_ms, "longest_gap_ms": s.longest_ms,
                         "prompt_tokens": s.prompt_tokens, "prompt_ms": s.prompt_ms,
                     })),
+                    "prefix": r.prefix.as_ref().map(|p| serde_json::json!({
+                        "prompt_tokens": p.prompt_tokens, "cached_tokens": p.cached_tokens,
+                        "ttft_cached_ms": p.cached_ms, "ttft_uncached_ms": p.uncached_ms,
+                        "speedup": p.uncached_ms / p.cached_ms,
+                        "cached_vs_llama_server": ratio(
+                            reference.and_then(|x| x.prefix.as_ref()).map(|x| x.cached_ms),
+                            Some(p.cached_ms)),
+                    })),
                     "stages": r.timeline.iter().map(|(w, c, s, i)| serde_json::json!({
                         "worker": w, "compute": c, "send": s, "input_wait": i,
                     })).collect::<Vec<_>>(),
@@ -588,6 +682,28 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
                     x(ratio(longest(r), reference.and_then(longest))),
                     s.prompt_tokens,
                     s.prompt_ms
+                );
+            }
+        }
+    }
+    if rows.iter().any(|r| r.prefix.is_some()) {
+        println!(
+            "turn {} of a chat with a long history, time to first token with the prompt cache and without (cache_prompt: false):",
+            PREFIX_TURNS + 1
+        );
+        let cached = |r: &Row| r.prefix.as_ref().map(|p| p.cached_ms);
+        for r in rows {
+            if let Some(p) = &r.prefix {
+                println!(
+                    "  {:<24} {} prompt tokens, {} cached: {:>7.1} ms cached, {:>7.1} ms uncached ({:.1}x); cached {} llama-server's",
+                    r.name,
+                    p.prompt_tokens,
+                    p.cached_tokens.map_or("?".into(), |n| n.to_string()),
+                    p.cached_ms,
+                    p.uncached_ms,
+                    p.uncached_ms / p.cached_ms,
+                    // Speed against llama-server: its time over ours.
+                    x(ratio(reference.and_then(cached), cached(r)))
                 );
             }
         }
