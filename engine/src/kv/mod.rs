@@ -64,7 +64,11 @@ impl KvCell {
 
 impl std::fmt::Display for KvCell {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "position {} seen by sequences {:?}", self.pos, self.seqs)?;
+        match &self.seqs[..] {
+            [] => write!(f, "position {} seen by no sequence", self.pos)?,
+            [s] => write!(f, "sequence {s} position {}", self.pos)?,
+            seqs => write!(f, "position {} seen by sequences {seqs:?}", self.pos)?,
+        }
         if self.cached {
             write!(f, ", kept by the prefix cache")?;
         }
@@ -267,5 +271,64 @@ impl<'a> ByteReader<'a> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layers() -> KvLayers {
+        KvLayers {
+            cells: vec![
+                Some(KvCell {
+                    pos: 0,
+                    seqs: vec![0, 3, 70],
+                    cached: true,
+                }),
+                None,
+                Some(KvCell {
+                    pos: 5,
+                    seqs: vec![],
+                    cached: true,
+                }),
+                Some(KvCell::of(1, 2)),
+            ],
+            layers: vec![KvLayer {
+                layer: 4,
+                k: vec![1; 8],
+                v: vec![2; 8],
+            }],
+        }
+    }
+
+    #[test]
+    fn shared_and_kept_cells_survive_the_byte_form() {
+        let kv = layers();
+        assert_eq!(KvLayers::from_bytes(&kv.to_bytes()).unwrap(), kv);
+    }
+
+    #[test]
+    fn version_1_still_reads() {
+        let mut b = Vec::new();
+        b.extend_from_slice(KV_MAGIC);
+        for v in [1u32, 2, 0] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for (seq, pos) in [(7u32, 3i32), (FREE_SEQ, 0)] {
+            b.extend_from_slice(&seq.to_le_bytes());
+            b.extend_from_slice(&pos.to_le_bytes());
+        }
+        let kv = KvLayers::from_bytes(&b).unwrap();
+        assert_eq!(kv.cells, vec![Some(KvCell::of(7, 3)), None]);
+    }
+
+    #[test]
+    fn unknown_cell_flags_are_refused() {
+        let mut b = layers().to_bytes();
+        // The first cell's flags follow the 20-byte header and its position.
+        b[24] |= 4;
+        let e = KvLayers::from_bytes(&b).unwrap_err().to_string();
+        assert!(e.contains("cell 0 has unknown flags 0x7"), "{e}");
     }
 }

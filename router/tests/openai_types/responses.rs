@@ -107,7 +107,7 @@ fn chat_completion_json() {
     assert_eq!(v["choices"][0]["logprobs"], Value::Null);
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}})
+        json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}})
     );
 }
 
