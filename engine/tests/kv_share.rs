@@ -8,19 +8,10 @@
 mod common;
 
 use common::*;
-use omni_engine::{
-    Batch, EngineError, KvLayers, LayerRange, ModelFile, Stage, StageConfig, StageOutput,
-};
+use omni_engine::{Batch, EngineError, KvLayers, Stage};
 
 fn stage() -> Stage {
-    let mut cfg = StageConfig::default();
-    cfg.kv.n_ctx = 256;
-    cfg.kv.n_seq = 3;
-    cfg.n_ubatch = 128;
-    cfg.n_threads = 2;
-    let m = ModelFile::open(model(GEMMA)).unwrap();
-    let n = m.hparams.n_layer;
-    Stage::load(m, LayerRange::whole(n), cfg).unwrap()
+    gemma_stage(3, 2)
 }
 
 /// Every token's logits wanted, so whole steps are compared.
@@ -30,13 +21,6 @@ fn batch(seq: u32, tokens: &[u32], from: usize) -> Batch {
         b.push(t, (from + i) as i32, seq, true);
     }
     b
-}
-
-fn logits(out: StageOutput) -> Vec<f32> {
-    match out {
-        StageOutput::Logits(l) => l.data,
-        StageOutput::Hidden(_) => panic!("a whole model returns logits"),
-    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -60,7 +44,7 @@ fn shared_cells_give_the_same_logits_as_computing_them() {
     // Sequence 0 computes the prefix, then the rest.
     s.forward(&batch(0, &prefix, 0), None).unwrap();
     let prefix_cells = s.last_cells().to_vec();
-    let own = logits(s.forward(&batch(0, &rest, k), None).unwrap());
+    let own = logits_of(s.forward(&batch(0, &rest, k), None).unwrap());
     let rest_cells = s.last_cells().to_vec();
 
     // Sequence 0 gives its rest back (the cells are free again); sequence
@@ -70,7 +54,7 @@ fn shared_cells_give_the_same_logits_as_computing_them() {
     assert_eq!(s.kv().used(), k);
     s.share_kv(1, &prefix_cells).unwrap();
     assert_eq!(s.kv().used(), k, "shared cells count once");
-    let shared = logits(s.forward(&batch(1, &rest, k), None).unwrap());
+    let shared = logits_of(s.forward(&batch(1, &rest, k), None).unwrap());
     assert_eq!(s.last_cells(), &rest_cells[..]);
     assert_eq!(bits(&shared), bits(&own), "shared prefix, different logits");
 
@@ -93,12 +77,12 @@ fn shared_cells_give_the_same_logits_as_computing_them() {
     assert_eq!(s.kv().cached(), k);
     let next =
         omni_engine::sampling::greedy(&shared[shared.len() - s.model().hparams.n_vocab as usize..]);
-    let decoded = logits(s.forward(&batch(1, &[next], k + rest.len()), None).unwrap());
+    let decoded = logits_of(s.forward(&batch(1, &[next], k + rest.len()), None).unwrap());
 
     let mut alone = stage();
     alone.forward(&batch(0, &prefix, 0), None).unwrap();
     alone.forward(&batch(0, &rest, k), None).unwrap();
-    let reference = logits(
+    let reference = logits_of(
         alone
             .forward(&batch(0, &[next], k + rest.len()), None)
             .unwrap(),
@@ -117,8 +101,8 @@ fn shared_cells_give_the_same_logits_as_computing_them() {
     assert_eq!(moved.kv().used(), s.kv().used());
     assert_eq!(moved.kv().cached(), k);
     let pos = k + rest.len() + 1;
-    let a = logits(s.forward(&batch(1, &[next], pos), None).unwrap());
-    let b = logits(moved.forward(&batch(1, &[next], pos), None).unwrap());
+    let a = logits_of(s.forward(&batch(1, &[next], pos), None).unwrap());
+    let b = logits_of(moved.forward(&batch(1, &[next], pos), None).unwrap());
     assert_eq!(bits(&a), bits(&b), "the moved table gives other logits");
 
     // Sequence 1 ends: only the kept cells are left, until evicted. A

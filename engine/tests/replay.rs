@@ -8,17 +8,10 @@
 mod common;
 
 use common::*;
-use omni_engine::{Batch, EngineError, LayerRange, ModelFile, Stage, StageConfig, StageOutput};
+use omni_engine::{Batch, EngineError, Stage};
 
 fn stage() -> Stage {
-    let mut cfg = StageConfig::default();
-    cfg.kv.n_ctx = 256;
-    cfg.kv.n_seq = 2;
-    cfg.n_ubatch = 128;
-    cfg.n_threads = 1;
-    let m = ModelFile::open(model(GEMMA)).unwrap();
-    let n = m.hparams.n_layer;
-    Stage::load(m, LayerRange::whole(n), cfg).unwrap()
+    gemma_stage(2, 1)
 }
 
 fn batch(seq: u32, tokens: &[u32], from: usize, cells: &[i64]) -> Batch {
@@ -28,13 +21,6 @@ fn batch(seq: u32, tokens: &[u32], from: usize, cells: &[i64]) -> Batch {
     }
     b.cells = cells.to_vec();
     b
-}
-
-fn logits(out: StageOutput) -> Vec<f32> {
-    match out {
-        StageOutput::Logits(l) => l.data,
-        StageOutput::Hidden(_) => panic!("a whole model returns logits"),
-    }
 }
 
 #[test]
@@ -51,7 +37,7 @@ fn a_sequence_replayed_into_its_cells_gives_the_same_logits_bit_for_bit() {
     let mut pos = 0;
     for k in 0..12 {
         let (toks, from) = steps[k].clone();
-        first.push(logits(
+        first.push(logits_of(
             s.forward(&batch(0, &toks, from, &[]), None).unwrap(),
         ));
         cells.push(s.last_cells().to_vec());
@@ -77,7 +63,7 @@ fn a_sequence_replayed_into_its_cells_gives_the_same_logits_bit_for_bit() {
     assert_eq!(s.kv().used(), 0);
     for k in 0..12 {
         let (toks, from) = &steps[k];
-        let again = logits(s.forward(&batch(0, toks, *from, &cells[k]), None).unwrap());
+        let again = logits_of(s.forward(&batch(0, toks, *from, &cells[k]), None).unwrap());
         assert_eq!(s.last_cells(), &cells[k][..]);
         let same = again
             .iter()

@@ -121,12 +121,13 @@ impl PrefixCache {
         if let Some(k) = before {
             self.evictable.remove(&k);
         }
-        let b = self.block(id);
-        if b.refs == 0 && b.children == 0 && b.retained {
-            self.evictable.insert((b.last_used, Reverse(b.depth), id));
+        if let Some(k) = self.key_of(id) {
+            self.evictable.insert(k);
         }
     }
 
+    /// `id`'s key in the evictable set, if it belongs there: kept by the
+    /// cache, referenced by no sequence, no block under it.
     fn key_of(&self, id: BlockId) -> Option<(u64, Reverse<u32>, BlockId)> {
         let b = self.block(id);
         (b.refs == 0 && b.children == 0 && b.retained).then_some((

@@ -205,7 +205,9 @@ impl KvCache {
     /// Checks that every cell is in range and named once, and (with
     /// `used`) in use. Names the first bad one.
     fn check_cells(&self, cells: &[i64], used: bool, what: &str) -> Result<(), EngineError> {
-        for (i, &c) in cells.iter().enumerate() {
+        // A shared prefix names thousands of cells: mark them, do not search.
+        let mut seen = vec![false; self.n_cells()];
+        for &c in cells {
             let Some(c) = usize::try_from(c).ok().filter(|&c| c < self.n_cells()) else {
                 return Err(EngineError::Config(format!(
                     "{what}: KV cell {c} is out of range: the cache has {} cells",
@@ -215,7 +217,7 @@ impl KvCache {
             if used && !self.in_use(c) {
                 return Err(EngineError::Config(format!("{what}: KV cell {c} is free")));
             }
-            if cells[..i].contains(&(c as i64)) {
+            if std::mem::replace(&mut seen[c], true) {
                 return Err(EngineError::Config(format!(
                     "{what}: KV cell {c} is named twice"
                 )));

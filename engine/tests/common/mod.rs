@@ -83,6 +83,27 @@ pub fn config() -> omni_engine::StageConfig {
     cfg
 }
 
+/// Gemma 3's whole model in one stage: 256 positions for each of `n_seq`
+/// sequences, steps of up to 128 tokens.
+pub fn gemma_stage(n_seq: usize, n_threads: usize) -> omni_engine::Stage {
+    let mut cfg = omni_engine::StageConfig::default();
+    cfg.kv.n_ctx = 256;
+    cfg.kv.n_seq = n_seq;
+    cfg.n_ubatch = 128;
+    cfg.n_threads = n_threads;
+    let m = omni_engine::ModelFile::open(model(GEMMA)).unwrap();
+    let n = m.hparams.n_layer;
+    omni_engine::Stage::load(m, omni_engine::LayerRange::whole(n), cfg).unwrap()
+}
+
+/// The logits a head stage returned.
+pub fn logits_of(out: omni_engine::StageOutput) -> Vec<f32> {
+    match out {
+        omni_engine::StageOutput::Logits(l) => l.data,
+        omni_engine::StageOutput::Hidden(_) => panic!("a whole model returns logits"),
+    }
+}
+
 pub fn synthetic(file: &str) -> std::path::PathBuf {
     fixtures_dir().join("synthetic").join(file)
 }
