@@ -168,9 +168,9 @@ struct Seq {
     /// this sequence was in flight.
     crashes: u32,
     /// Prompt tokens it started from the prefix cache with (positions
-    /// `0..prefix`, in `prefix_cells`, which other sequences may see too).
+    /// `0..prefix`, whose cells, `cells[..prefix]`, other sequences may
+    /// see too).
     prefix: usize,
-    prefix_cells: Vec<i64>,
     /// The cell of each fed token whose step came back (prefix first).
     cells: Vec<i64>,
     /// Its blocks in the prefix cache.
@@ -422,7 +422,7 @@ fn seq_start(s: &Seq) -> SeqStart {
         top_logprobs: s.new.top_logprobs,
         logprobs: s.new.logprobs,
         prompt_len: s.new.prompt.len() as u32,
-        prefix_cells: s.prefix_cells.clone(),
+        prefix_cells: s.cells[..s.prefix].to_vec(),
         prefix_tokens: s.tokens[..s.prefix].to_vec(),
     }
 }

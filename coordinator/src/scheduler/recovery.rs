@@ -176,13 +176,13 @@ impl Scheduler {
             }
             recomputed += 1;
             let k = std::mem::take(&mut s.prefix);
-            let old = std::mem::take(&mut s.prefix_cells);
             if s.fed == 0 {
-                // Nothing of it ran since: it prefills from the start.
-                s.cells.clear();
+                // Nothing of it ran since (its cells were truncated away
+                // above): it prefills from the start.
                 s.cached_tokens = 0;
                 continue;
             }
+            let old = s.cells[..k].to_vec();
             let mut cells = Vec::with_capacity(k);
             for c in old {
                 let c = if used.contains(&c) {
