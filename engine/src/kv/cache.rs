@@ -205,6 +205,10 @@ impl KvCache {
     /// Checks that every cell is in range and named once, and (with
     /// `used`) in use. Names the first bad one.
     fn check_cells(&self, cells: &[i64], used: bool, what: &str) -> Result<(), EngineError> {
+        // Every step calls this, mostly with nothing to check.
+        if cells.is_empty() {
+            return Ok(());
+        }
         // A shared prefix names thousands of cells: mark them, do not search.
         let mut seen = vec![false; self.n_cells()];
         for &c in cells {
@@ -284,10 +288,10 @@ impl KvCache {
         self.cached[..self.used_end].iter().filter(|&&c| c).count()
     }
 
-    /// Bytes of K and V the prefix cache's cells hold in this cache.
-    pub fn cached_bytes(&self) -> u64 {
+    /// Bytes of K and V one cell holds over this cache's layers.
+    pub fn cell_bytes(&self) -> u64 {
         let (k, v) = self.row_bytes();
-        (self.cached() * (k + v) * self.store_layers) as u64
+        ((k + v) * self.store_layers) as u64
     }
 
     /// Every sequence id within the cache's sequences, every position

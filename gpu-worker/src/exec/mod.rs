@@ -558,7 +558,8 @@ impl StageRun {
     fn publish_kv(&self) {
         let kv = self.stage.as_ref().map(|s| s.kv());
         let (used, cached, cached_bytes) = kv.map_or((0, 0, 0), |kv| {
-            (kv.used() as u64, kv.cached() as u64, kv.cached_bytes())
+            let cached = kv.cached() as u64;
+            (kv.used() as u64, cached, cached * kv.cell_bytes())
         });
         self.stats.kv_cells_used.store(used, Ordering::Relaxed);
         self.stats.kv_cells_cached.store(cached, Ordering::Relaxed);
