@@ -110,8 +110,7 @@ pub struct CoordinatorConfig {
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// The prefix cache: a prompt starts from the KV cells of an earlier
-    /// prompt with the same beginning (in blocks of 16 tokens) and computes
-    /// only the rest; finished prompts and answers stay cached until their
+    /// prompt with the same beginning and computes only the rest; finished prompts and answers stay cached until their
     /// cells are needed. It lives in the KV cache the plan sized.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub prefix_cache: Switch,

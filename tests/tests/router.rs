@@ -347,7 +347,6 @@ fn a_ten_turn_chat_gives_the_same_tokens_with_and_without_the_prefix_cache() {
         let prompt = on["usage"]["prompt_tokens"].as_u64().unwrap();
         assert_eq!(cached(&off), 0, "turn {turn}: cache_prompt false");
         let c = cached(&on);
-        assert_eq!(c % 16, 0, "turn {turn}: whole blocks ({c})");
         assert!(
             c < prompt,
             "turn {turn}: {c} of {prompt} prompt tokens cached"
@@ -355,8 +354,12 @@ fn a_ten_turn_chat_gives_the_same_tokens_with_and_without_the_prefix_cache() {
         if turn == 0 {
             assert_eq!(c, 0, "nothing is cached before the first turn");
         } else {
+            // The previous prompt is this one's beginning, all of it
+            // computed (its answer too, unless the answers differ), but
+            // for its last token ("\n" after "model"), which may merge
+            // with what follows it now.
             assert!(
-                c >= prev_prompt / 16 * 16,
+                c + 1 >= prev_prompt,
                 "turn {turn}: {c} cached, the previous prompt had {prev_prompt}"
             );
         }

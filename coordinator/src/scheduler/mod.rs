@@ -16,12 +16,13 @@
 //! then can a new sequence take the slot. Frames travel one FIFO path, so a
 //! step sent before the removal can never see the new owner's tokens.
 //!
-//! Prefix cache (`prefix.rs`): a new sequence starts from the longest run
-//! of cached blocks its prompt begins with; every stage lets its slot see
-//! those cells (shared, not copied) and it prefills only the rest. Blocks
-//! of fed tokens are registered once their step came back; a sequence's
-//! blocks are kept when it ends and evicted least recently used first when
-//! a step needs their cells. The cache lives in the KV pool the planner
+//! Prefix cache (`prefix.rs`): a new sequence starts from the longest
+//! cached prefix of its prompt (whole blocks, then the first tokens of
+//! one); every stage lets its slot see those cells (shared, not copied)
+//! and it prefills only the rest. Blocks of fed tokens are registered once
+//! their step came back; a sequence's blocks, and its last tokens, are
+//! kept when it ends and evicted least recently used first when a step
+//! needs their cells. The cache lives in the KV pool the planner
 //! sized, so it never takes cells a running sequence needs.
 //!
 //! Recovery: when a worker is lost (its health, a broken link, a failed or
@@ -374,7 +375,8 @@ impl Scheduler {
             self.order.retain(|&o| o != id);
             self.pending_remove.push(s.slot);
             if let Some(pc) = self.prefix.as_mut() {
-                pc.release(s.chain);
+                let fed = s.new.cache_prompt.then_some((&s.tokens[..], &s.cells[..]));
+                pc.release(s.chain, fed);
                 self.metrics.prefix.evicted("bound", pc.enforce_bound());
                 self.metrics.prefix.cells.set(pc.retained_cells() as i64);
             }

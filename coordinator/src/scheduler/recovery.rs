@@ -152,7 +152,9 @@ impl Scheduler {
     /// index is cleared, and a sequence that started from cached cells
     /// computes its prefix again in its own cells, first in its group's
     /// replay (cells no logged step names, its old ones where it can).
-    /// Its blocks are registered again, as its own.
+    /// Its blocks are registered again, as its own, when its next step
+    /// comes back: after the replay, so that a sequence that ends before
+    /// its cells are computed again leaves nothing in the index.
     fn drop_prefix_cache(&mut self) {
         let Some(pc) = self.prefix.as_mut() else {
             return;
@@ -213,12 +215,6 @@ impl Scheduler {
                 .collect();
             for e in entries.into_iter().rev() {
                 self.logs[s.group].push_front(e);
-            }
-        }
-        for id in &self.order {
-            let s = self.seqs.get_mut(id).unwrap();
-            if s.new.cache_prompt {
-                pc.register(&mut s.chain, &s.tokens, &s.cells);
             }
         }
         if blocks > 0 || recomputed > 0 {
