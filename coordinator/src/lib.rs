@@ -35,6 +35,23 @@ pub enum Switch {
     On,
     Off,
 }
+
+/// Batch-invariant decoding (`--deterministic`): a request's tokens and
+/// logits do not depend on what else runs beside it, on how its prompt is
+/// chunked, or on a live move or a crash replay (same machine, same
+/// threads). It costs speed (ggml's reference matmul kernels; measured in
+/// docs/benchmarks.md), so it is not the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Determinism {
+    /// The fastest kernels; a request that asks for determinism is refused.
+    Off,
+    /// Every step is batch-invariant.
+    On,
+    /// The steps that carry a request asking for it (`deterministic: true`)
+    /// are; the others run the fast kernels (the workers keep their dense
+    /// weights unrepacked, so that both can run).
+    Request,
+}
 use scheduler::{Event, Scheduler};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -110,14 +127,20 @@ pub struct CoordinatorConfig {
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// The prefix cache: a prompt starts from the KV cells of an earlier
-    /// prompt with the same beginning and computes only the rest; finished prompts and answers stay cached until their
-    /// cells are needed. It lives in the KV cache the plan sized.
+    /// prompt with the same beginning and computes only the rest; finished
+    /// prompts and answers stay cached until their cells are needed. It
+    /// lives in the KV cache the plan sized.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub prefix_cache: Switch,
     /// Most KV cells (tokens) the prefix cache keeps that no running
     /// request uses (default: the whole KV cache, --ctx x --seqs).
     #[arg(long)]
     pub prefix_cache_size: Option<usize>,
+    /// Batch-invariant decoding: off, on (every request gets the same
+    /// tokens whatever else runs), or request (the requests that ask for
+    /// it with `deterministic: true`). CPU workers only.
+    #[arg(long, value_enum, default_value_t = Determinism::Off)]
+    pub deterministic: Determinism,
     /// Memory left unplanned on every worker (fraction).
     #[arg(long, default_value_t = 0.10)]
     pub headroom: f64,

@@ -228,6 +228,18 @@ impl inference_server::Inference for InferenceSvc {
             )
             .into());
         }
+        let deterministic = match shared.cfg.deterministic {
+            crate::Determinism::On => true,
+            crate::Determinism::Request => r.deterministic,
+            crate::Determinism::Off if r.deterministic => {
+                return Err(Error::invalid(
+                    "deterministic",
+                    "this cluster computes with the fastest kernels, whose results depend on the batch: deterministic decoding needs the coordinator started with --deterministic on (every request) or --deterministic request",
+                )
+                .into())
+            }
+            crate::Determinism::Off => false,
+        };
         let id = shared.next_seq.fetch_add(1, Ordering::Relaxed);
         let request_id = if r.request_id.is_empty() {
             format!("req-{id}")
@@ -282,6 +294,7 @@ impl inference_server::Inference for InferenceSvc {
                 span,
                 traceparent,
                 cache_prompt: r.cache_prompt.unwrap_or(true),
+                deterministic,
             })))
             .map_err(|_| Error::NotReady("the scheduler has stopped".into()))?;
         Ok(Response::new(stream))

@@ -187,18 +187,13 @@ pub(crate) async fn load_stages(
     let mut loads = Vec::new();
     for (i, (st, w)) in plan.stages.iter().zip(workers).enumerate() {
         let req = LoadRequest {
-            model_path: cfg.model.display().to_string(),
             embed: st.range.embed,
             layer_start: st.range.layers.start,
             layer_end: st.range.layers.end,
             head: st.range.head,
-            n_ctx: cfg.ctx as u32,
-            n_seq: cfg.seqs as u32,
-            n_ubatch: cfg.ubatch as u32,
-            f16_hidden: cfg.f16_hidden,
             stage: i as u32,
             offloaded: st.offloaded.clone(),
-            gpu_experts: cfg.gpu_experts,
+            ..load_request(cfg)
         };
         let (id, addr) = (w.id.clone(), w.addr.clone());
         loads.push(tokio::spawn(async move {
@@ -510,6 +505,7 @@ pub(crate) fn scheduler_config(cfg: &CoordinatorConfig, n_groups: usize) -> Sche
         max_queue: cfg.max_queue,
         prefix_cache: (cfg.prefix_cache == crate::Switch::On)
             .then(|| cfg.prefix_cache_size.unwrap_or(cfg.ctx * cfg.seqs)),
+        deterministic: cfg.deterministic,
     }
 }
 
@@ -529,15 +525,21 @@ pub(crate) fn live_setup(
         shm_dir: cfg.shm_dir.clone(),
         events,
         step_timeout: Duration::from_secs_f64(cfg.step_timeout),
-        load: LoadRequest {
-            model_path: cfg.model.display().to_string(),
-            n_ctx: cfg.ctx as u32,
-            n_seq: cfg.seqs as u32,
-            n_ubatch: cfg.ubatch as u32,
-            f16_hidden: cfg.f16_hidden,
-            gpu_experts: cfg.gpu_experts,
-            ..Default::default()
-        },
+        load: load_request(cfg),
+    }
+}
+
+/// What every stage's load asks, whatever its range.
+fn load_request(cfg: &CoordinatorConfig) -> LoadRequest {
+    LoadRequest {
+        model_path: cfg.model.display().to_string(),
+        n_ctx: cfg.ctx as u32,
+        n_seq: cfg.seqs as u32,
+        n_ubatch: cfg.ubatch as u32,
+        f16_hidden: cfg.f16_hidden,
+        gpu_experts: cfg.gpu_experts,
+        deterministic: cfg.deterministic != crate::Determinism::Off,
+        ..Default::default()
     }
 }
 

@@ -401,7 +401,10 @@ fn compute_loop(
                 stats
                     .tokens
                     .fetch_add(req.n_tokens as u64, Ordering::Relaxed);
-                match stage.run(req.layer, &req.x, &req.ids, &req.weights) {
+                let run = stage
+                    .set_batch_invariant(req.invariant)
+                    .and_then(|()| stage.run(req.layer, &req.x, &req.ids, &req.weights));
+                match run {
                     Ok(v) => (encode_reply(req.id, req.layer, Ok(&v)), true),
                     Err(e) => (encode_reply(req.id, req.layer, Err(&e.to_string())), false),
                 }

@@ -40,6 +40,8 @@ pub struct ExpertBatch {
     pub x: Vec<f32>,
     pub ids: Vec<i32>,
     pub weights: Vec<f32>,
+    /// Compute with batch-invariant kernels (the step's `Batch::invariant`).
+    pub invariant: bool,
 }
 
 /// Something that computes routed experts, submit then wait, so that a
@@ -115,7 +117,13 @@ impl ExpertStage {
                     .map(|name| (format!("blk.{il}.{name}"), WeightOp::MulMatId)),
             );
         }
-        let weights = Weights::load_named(&model, &wanted, cfg.repack, None, &mut |_, _| {})?;
+        let weights = Weights::load_named(
+            &model,
+            &wanted,
+            crate::stage::Repack::all(cfg.repack),
+            None,
+            &mut |_, _| {},
+        )?;
         let backend = CpuBackend::new(cfg.n_threads).map_err(EngineError::CpuBackend)?;
         let alloc = GraphAllocator::new(backend.buffer_type());
         let mut stage = ExpertStage {
@@ -169,6 +177,15 @@ impl ExpertStage {
     /// The weighted sum of the selected experts' SiLU-gated FFNs of layer
     /// `layer` on `x` (`[n_tokens][n_embd]`), with `ids` and `weights`
     /// `[n_tokens][k]` (`k` usually `n_used`, at most that): `[n_tokens][n_embd]`.
+    /// Computes the next calls with batch-invariant kernels (`on`: a
+    /// token's result does not depend on the others in the call), or the
+    /// fastest ones.
+    pub fn set_batch_invariant(&mut self, on: bool) -> Result<(), EngineError> {
+        self.backend
+            .set_batch_invariant(on)
+            .map_err(EngineError::CpuBackend)
+    }
+
     pub fn run(
         &mut self,
         layer: u32,
@@ -292,6 +309,7 @@ impl ExpertExec for ExpertStage {
                 b.x.len()
             )));
         }
+        self.set_batch_invariant(b.invariant)?;
         self.pending = Some(self.run(b.layer, &b.x, &b.ids, &b.weights));
         Ok(())
     }
@@ -315,10 +333,7 @@ fn hp_n_used(model: &ModelFile) -> usize {
 
 /// The routed-expert tensor names (after `blk.N.`) of layer `il`, or an
 /// error naming the layer if it has none.
-pub(crate) fn expert_layer_tensors(
-    model: &ModelFile,
-    il: u32,
-) -> Result<Vec<&'static str>, EngineError> {
+pub fn expert_layer_tensors(model: &ModelFile, il: u32) -> Result<Vec<&'static str>, EngineError> {
     let hp = &model.hparams;
     if il >= hp.n_layer {
         return Err(EngineError::Config(format!(

@@ -27,6 +27,8 @@ pub struct Engine {
     /// The vocabulary as the grammar engine sees it, built at the first
     /// constrained request.
     grammars: Option<Grammars>,
+    /// Every step batch-invariant (loaded with `StageConfig::deterministic`).
+    invariant: bool,
 }
 
 impl Engine {
@@ -68,6 +70,7 @@ impl Engine {
             None => vec![LayerRange::whole(n_layer)],
         };
         let tokenizer = Tokenizer::load(path.as_ref())?;
+        let invariant = cfg.deterministic;
         let mut stages = Vec::with_capacity(ranges.len());
         for (i, r) in ranges.into_iter().enumerate() {
             let device = devices.get(i).or(devices.last()).copied();
@@ -88,6 +91,7 @@ impl Engine {
             hidden_dtype: HiddenDtype::F32,
             hidden_bytes_moved: 0,
             grammars: None,
+            invariant,
         })
     }
 
@@ -104,7 +108,18 @@ impl Engine {
     }
 
     /// Runs one batch through every stage and returns the requested logits.
+    /// With `StageConfig::deterministic`, every step is batch-invariant.
     pub fn step(&mut self, batch: &Batch) -> Result<Logits, EngineError> {
+        let owned;
+        let batch = if self.invariant && !batch.invariant {
+            owned = Batch {
+                invariant: true,
+                ..batch.clone()
+            };
+            &owned
+        } else {
+            batch
+        };
         let mut hidden: Option<Hidden> = None;
         for stage in &mut self.stages {
             match stage.forward(batch, hidden.as_ref())? {

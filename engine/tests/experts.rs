@@ -484,6 +484,7 @@ fn bad_expert_inputs_are_errors() {
         x: x.clone(),
         ids: ids.clone(),
         weights: w.clone(),
+        invariant: false,
     };
     ex.submit(b.clone()).unwrap();
     assert!(ex.submit(b.clone()).is_err());

@@ -55,7 +55,7 @@ impl ExpertExec for RemoteExperts {
             })?;
         self.routes[i]
             .link
-            .submit(b.layer, b.n_tokens, &b.x, &b.ids, &b.weights)
+            .submit(b.layer, b.n_tokens, &b.x, &b.ids, &b.weights, b.invariant)
             .map_err(|e| EngineError::Experts(e.to_string()))?;
         self.pending = Some(i);
         Ok(())

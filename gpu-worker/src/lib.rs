@@ -563,6 +563,7 @@ impl Worker {
                 .parse()
                 .map_err(|e| Status::from(WorkerError::internal(e)))?,
             repack: true,
+            deterministic: req.deterministic,
         };
         let n_embd = model.hparams.n_embd as usize;
         let n_used = model

@@ -89,6 +89,11 @@ pub struct GenerateArgs {
     /// 'start: "yes" | "no"'; the text, or @FILE).
     #[arg(long)]
     pub grammar: Option<String>,
+    /// Batch-invariant decoding: the same tokens whatever else runs (in one
+    /// process: whatever the prompt's chunking; with --coordinator, the
+    /// request asks for it, which the cluster must allow).
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 /// `-n`: a count of tokens, at least 1 — 0 is refused here as the router
@@ -136,6 +141,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         cfg.n_threads = t;
     }
     cfg.device = a.device;
+    cfg.deterministic = a.deterministic;
     let model = omni_engine::ModelFile::open(&path)?;
     cfg.kv.n_ctx = cfg.kv.n_ctx.min(model.hparams.n_ctx_train as usize);
     eprintln!(

@@ -200,6 +200,7 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
         top_logprobs: a.top_logprobs as u32,
         request_id: String::new(),
         cache_prompt: None,
+        deterministic: a.deterministic,
     };
     let t0 = Instant::now();
     let mut stream = match c.generate(req).await {

@@ -96,6 +96,11 @@ pub struct UpArgs {
     /// Keep the K most used experts of each offloaded layer on its device worker.
     #[arg(long)]
     pub gpu_experts: Option<u32>,
+    /// Batch-invariant decoding: off, on (every request gets the same
+    /// tokens whatever else runs) or request (requests that send
+    /// `"deterministic": true`); see omni-coordinator --help.
+    #[arg(long)]
+    pub deterministic: Option<String>,
     /// Memory each expert worker offers, e.g. 64GiB (default: what the machine has free).
     #[arg(long)]
     pub cpu_memory: Option<String>,
@@ -160,6 +165,7 @@ impl UpArgs {
             numa: false,
             experts: None,
             gpu_experts: None,
+            deterministic: None,
             cpu_memory: None,
             admin_listen: None,
             cpu_variant: None,
@@ -240,6 +246,9 @@ impl LocalCluster {
         }
         if let Some(k) = a.gpu_experts {
             c.args(["--gpu-experts", &k.to_string()]);
+        }
+        if let Some(d) = &a.deterministic {
+            c.args(["--deterministic", d]);
         }
         let traced = |cmd: &mut Command| {
             if let Some(e) = &a.otlp_endpoint {

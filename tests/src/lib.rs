@@ -591,13 +591,18 @@ pub struct Streams {
     pub progress: Arc<AtomicUsize>,
     pub max_gap_us: Arc<AtomicU64>,
     pub handle: std::thread::JoinHandle<Vec<Result<Vec<u32>, String>>>,
+    /// Each stream's log-probabilities as sent, bit for bit (the token's,
+    /// then each top entry's id and value), once it has ended: for the
+    /// tests of batch-invariant decoding, which compare them exactly.
+    pub logprobs: Arc<std::sync::Mutex<Vec<Vec<u32>>>>,
 }
 
 /// Runs `reqs` at once against the coordinator at `addr`.
 pub fn start_streams(addr: &str, reqs: Vec<GenerateRequest>) -> Streams {
     let progress = Arc::new(AtomicUsize::new(0));
     let max_gap_us = Arc::new(AtomicU64::new(0));
-    let (p, gap) = (progress.clone(), max_gap_us.clone());
+    let logprobs = Arc::new(std::sync::Mutex::new(vec![Vec::new(); reqs.len()]));
+    let (p, gap, lp) = (progress.clone(), max_gap_us.clone(), logprobs.clone());
     let addr = format!("http://{addr}");
     let handle = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -607,8 +612,8 @@ pub fn start_streams(addr: &str, reqs: Vec<GenerateRequest>) -> Streams {
             .unwrap();
         rt.block_on(async move {
             let mut tasks = Vec::new();
-            for req in reqs {
-                let (addr, p, gap) = (addr.clone(), p.clone(), gap.clone());
+            for (i, req) in reqs.into_iter().enumerate() {
+                let (addr, p, gap, lp) = (addr.clone(), p.clone(), gap.clone(), lp.clone());
                 tasks.push(tokio::spawn(async move {
                     let mut c = InferenceClient::connect(addr)
                         .await
@@ -619,6 +624,7 @@ pub fn start_streams(addr: &str, reqs: Vec<GenerateRequest>) -> Streams {
                         .map_err(|e| e.message().to_string())?
                         .into_inner();
                     let mut out = Vec::new();
+                    let mut bits = Vec::new();
                     let mut last = None;
                     while let Some(ev) = s.next().await {
                         let ev = ev.map_err(|e| e.message().to_string())?;
@@ -628,7 +634,12 @@ pub fn start_streams(addr: &str, reqs: Vec<GenerateRequest>) -> Streams {
                         }
                         p.fetch_add(ev.tokens.len(), Ordering::Relaxed);
                         out.extend(ev.tokens.iter().map(|t| t.id));
+                        for t in &ev.tokens {
+                            bits.extend(t.logprob.map(f32::to_bits));
+                            bits.extend(t.top.iter().flat_map(|x| [x.token, x.logprob.to_bits()]));
+                        }
                     }
+                    lp.lock().unwrap()[i] = bits;
                     Ok(out)
                 }));
             }
@@ -643,6 +654,7 @@ pub fn start_streams(addr: &str, reqs: Vec<GenerateRequest>) -> Streams {
         progress,
         max_gap_us,
         handle,
+        logprobs,
     }
 }
 

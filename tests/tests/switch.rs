@@ -51,6 +51,7 @@ impl Harness {
             n_threads: 2,
             device: Default::default(),
             repack: true,
+            deterministic: false,
         };
         let stage = Stage::load(model.clone(), whole(), cfg.clone()).unwrap();
         let dir = tempfile::tempdir().unwrap();

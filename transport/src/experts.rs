@@ -44,6 +44,8 @@ pub struct ExpertRequest<'a> {
     pub x: &'a [f32],
     pub ids: &'a [i32],
     pub weights: &'a [f32],
+    /// Compute with batch-invariant kernels.
+    pub invariant: bool,
 }
 
 /// A request as the worker decodes it.
@@ -56,6 +58,7 @@ pub struct DecodedRequest {
     pub x: Vec<f32>,
     pub ids: Vec<i32>,
     pub weights: Vec<f32>,
+    pub invariant: bool,
 }
 
 fn push_le<T: Copy, const N: usize>(out: &mut Vec<u8>, v: &[T], f: fn(T) -> [u8; N]) {
@@ -79,6 +82,7 @@ impl ExpertRequest<'_> {
             n_tokens: self.n_tokens as u32,
             n_used: self.n_used as u32,
             error: String::new(),
+            invariant: self.invariant,
         };
         let mut payload = Vec::with_capacity((self.x.len() + 2 * self.ids.len()) * 4);
         push_le(&mut payload, self.x, f32::to_le_bytes);
@@ -118,6 +122,7 @@ pub fn decode_request(frame: &Frame, n_embd: usize) -> Result<DecodedRequest, St
             .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect(),
         weights: f32s(weights),
+        invariant: call.invariant,
     })
 }
 
@@ -262,7 +267,8 @@ impl ExpertLink {
         }
     }
 
-    /// Sends one block's work. Blocking; not for async tasks.
+    /// Sends one block's work (`invariant`: of a batch-invariant step).
+    /// Blocking; not for async tasks.
     pub fn submit(
         &mut self,
         layer: u32,
@@ -270,6 +276,7 @@ impl ExpertLink {
         x: &[f32],
         ids: &[i32],
         weights: &[f32],
+        invariant: bool,
     ) -> Result<(), ExpertLinkError> {
         let protocol = |why: &str| ExpertLinkError::Protocol {
             worker: self.worker.clone(),
@@ -289,6 +296,7 @@ impl ExpertLink {
             x,
             ids,
             weights,
+            invariant,
         }
         .encode();
         let n = (frame.meta.len() + frame.payload.len()) as u64;
@@ -472,10 +480,12 @@ mod tests {
             x: &x,
             ids: &ids,
             weights: &w,
+            invariant: true,
         }
         .encode();
         let d = decode_request(&f, 2).unwrap();
         assert_eq!((d.id, d.layer, d.n_tokens, d.n_used), (7, 2, 2, 1));
+        assert!(d.invariant);
         assert_eq!((d.x, d.ids, d.weights), (x, ids, w));
         let e = decode_request(&f, 3).unwrap_err();
         assert!(

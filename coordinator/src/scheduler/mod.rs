@@ -93,6 +93,9 @@ pub struct NewSeq {
     pub traceparent: Option<String>,
     /// Whether the prompt may use the prefix cache and leave blocks in it.
     pub cache_prompt: bool,
+    /// Every step carrying it is batch-invariant (the request asked, or
+    /// the cluster makes every step so).
+    pub deterministic: bool,
 }
 
 impl NewSeq {
@@ -148,6 +151,8 @@ pub struct SchedulerConfig {
     /// The prefix cache, if on: the most KV cells it keeps that no running
     /// sequence uses.
     pub prefix_cache: Option<usize>,
+    /// Which steps are batch-invariant (`Step.invariant`).
+    pub deterministic: crate::Determinism,
 }
 
 struct Seq {

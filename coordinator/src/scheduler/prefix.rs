@@ -36,8 +36,15 @@ pub const BLOCK: usize = 16;
 
 pub type BlockId = usize;
 
-/// The parent of a first block.
+/// The parent of a first block computed by the fast kernels, and of one
+/// computed by batch-invariant steps: two trees, so that a deterministic
+/// sequence starts only from cells computed as it would compute them.
 const ROOT: BlockId = usize::MAX;
+const ROOT_INVARIANT: BlockId = usize::MAX - 1;
+
+fn is_root(id: BlockId) -> bool {
+    id >= ROOT_INVARIANT
+}
 
 struct Block {
     parent: BlockId,
@@ -82,6 +89,27 @@ pub enum Evicted {
 pub struct Chain {
     pub blocks: Vec<(BlockId, bool)>,
     pub partial: Option<BlockId>,
+    /// A deterministic sequence's: in the batch-invariant tree.
+    pub invariant: bool,
+}
+
+impl Chain {
+    /// An empty chain in the tree of `invariant` sequences or the other.
+    pub fn new(invariant: bool) -> Chain {
+        Chain {
+            invariant,
+            ..Chain::default()
+        }
+    }
+
+    /// The block the next one hangs under.
+    fn last(&self) -> BlockId {
+        match self.blocks.last() {
+            Some(&(id, _)) => id,
+            None if self.invariant => ROOT_INVARIANT,
+            None => ROOT,
+        }
+    }
 }
 
 /// What a lookup found: the blocks and their cells, in position order.
@@ -248,12 +276,16 @@ impl PrefixCache {
     }
 
     /// The longest cached prefix of `prompt`, leaving at least its last
-    /// token to compute: whole blocks, then the first tokens of a child.
-    /// Each block found is referenced until [`Self::release`].
-    pub fn lookup(&mut self, prompt: &[u32]) -> Hit {
-        let mut hit = Hit::default();
+    /// token to compute: whole blocks, then the first tokens of a child
+    /// (in the tree of `invariant` sequences, or the other). Each block
+    /// found is referenced until [`Self::release`].
+    pub fn lookup(&mut self, prompt: &[u32], invariant: bool) -> Hit {
+        let mut hit = Hit {
+            chain: Chain::new(invariant),
+            cells: Vec::new(),
+        };
         let limit = prompt.len().saturating_sub(1);
-        let mut parent = ROOT;
+        let mut parent = hit.chain.last();
         for i in 0..limit / BLOCK {
             let tokens: [u32; BLOCK] = prompt[i * BLOCK..(i + 1) * BLOCK].try_into().unwrap();
             let Some(&id) = self.index.get(&(parent, tokens)) else {
@@ -313,7 +345,7 @@ impl PrefixCache {
             self.index.insert((parent, tokens.try_into().unwrap()), id);
         }
         self.starts.entry((parent, tokens[0])).or_default().push(id);
-        if parent != ROOT {
+        if !is_root(parent) {
             let before = self.key_of(parent);
             self.blocks[parent].as_mut().unwrap().children += 1;
             self.update(parent, before);
@@ -332,7 +364,7 @@ impl PrefixCache {
         let known = cells.len().min(tokens.len());
         while (chain.blocks.len() + 1) * BLOCK <= known {
             let i = chain.blocks.len();
-            let parent = chain.blocks.last().map_or(ROOT, |&(id, _)| id);
+            let parent = chain.last();
             let span = i * BLOCK..(i + 1) * BLOCK;
             let toks: [u32; BLOCK] = tokens[span.clone()].try_into().unwrap();
             if let Some(&id) = self.index.get(&(parent, toks)) {
@@ -369,7 +401,7 @@ impl PrefixCache {
         if at >= known || known - at >= BLOCK {
             return;
         }
-        let parent = chain.blocks.last().map_or(ROOT, |&(id, _)| id);
+        let parent = chain.last();
         let rest = &tokens[at..known];
         if self
             .best_start(parent, rest)
@@ -407,7 +439,7 @@ impl PrefixCache {
         }
         self.unkeep(b.cells());
         self.idle_cells -= b.len;
-        if b.parent != ROOT {
+        if !is_root(b.parent) {
             let before = self.key_of(b.parent);
             self.blocks[b.parent].as_mut().unwrap().children -= 1;
             self.update(b.parent, before);
@@ -508,22 +540,22 @@ mod tests {
         // A prompt that goes on: 3 blocks and the tail.
         let mut longer = p.clone();
         longer.extend([1, 2, 3]);
-        let hit = pc.lookup(&longer);
+        let hit = pc.lookup(&longer, false);
         assert_eq!(hit.cells, cells(0, 50));
         assert!(hit.chain.partial.is_some());
         // Exactly 48 tokens: the last one is computed, the rest comes from
         // the third block's first 15.
-        assert_eq!(pc.lookup(&p[..48]).cells, cells(0, 47));
+        assert_eq!(pc.lookup(&p[..48], false).cells, cells(0, 47));
         // 49 tokens: 3 blocks, token 48 computed.
-        let hit3 = pc.lookup(&p[..49]);
+        let hit3 = pc.lookup(&p[..49], false);
         assert_eq!(hit3.cells, cells(0, 48));
         assert!(hit3.chain.partial.is_none());
         // Another first token misses.
-        assert!(pc.lookup(&toks(40, 2)).cells.is_empty());
+        assert!(pc.lookup(&toks(40, 2), false).cells.is_empty());
         // A different token 20: the first block, and 4 of the second.
         let mut other = p.clone();
         other[20] = 9999;
-        assert_eq!(pc.lookup(&other).cells, cells(0, 20));
+        assert_eq!(pc.lookup(&other, false).cells, cells(0, 20));
     }
 
     #[test]
@@ -543,7 +575,7 @@ mod tests {
         assert_eq!(pc.retained_cells(), 64);
         pc.take_pending();
         // A hit on a's first block makes it newer than b's blocks.
-        let hit = pc.lookup(&a[..17]);
+        let hit = pc.lookup(&a[..17], false);
         assert_eq!(hit.cells, cells(0, 16));
         // Referenced blocks never go; a's second block is a leaf and the
         // oldest unreferenced: it goes first, then b's leaf, then b's root.
@@ -588,7 +620,7 @@ mod tests {
             pc.register(&mut c, &toks(32, salt), &cells(32 * salt as i64, 32));
             chains.push(c);
         }
-        let held = pc.lookup(&toks(33, 0));
+        let held = pc.lookup(&toks(33, 0), false);
         for c in chains {
             pc.release(c, None);
         }
@@ -625,7 +657,7 @@ mod tests {
         // the second, which q's own second block holds too.
         let mut q = p[..20].to_vec();
         q.extend(toks(12, 900));
-        let hit = pc.lookup(&q);
+        let hit = pc.lookup(&q, false);
         assert_eq!(hit.cells, cells(0, 20));
         let mut chain = hit.chain;
         let mut q_cells = hit.cells;
@@ -653,6 +685,20 @@ mod tests {
         assert!(pc.has_pending());
         assert_eq!(pc.enforce_bound(), 3);
         assert_eq!(pc.take_pending(), (vec![], vec![]));
+    }
+
+    #[test]
+    fn deterministic_sequences_share_only_with_each_other() {
+        let mut pc = PrefixCache::new(1000);
+        let p = toks(40, 8);
+        let mut chain = Chain::new(true);
+        pc.register(&mut chain, &p, &cells(0, 40));
+        pc.release(chain, Some((&p, &cells(0, 40))));
+        assert!(pc.lookup(&p, false).cells.is_empty());
+        assert_eq!(pc.lookup(&p, true).cells, cells(0, 39));
+        run(&mut pc, &p, &cells(100, 40));
+        assert_eq!(pc.lookup(&p, false).cells, cells(100, 39));
+        assert_eq!(pc.blocks(), 6);
     }
 
     #[test]

@@ -171,7 +171,7 @@ impl Scheduler {
         let mut recomputed = 0;
         for id in &self.order {
             let s = self.seqs.get_mut(id).expect("ordered sequences are live");
-            s.chain = prefix::Chain::default();
+            s.chain = prefix::Chain::new(s.new.deterministic);
             s.cells.truncate(s.fed);
             if s.prefix == 0 {
                 continue;
@@ -308,6 +308,7 @@ impl Scheduler {
         if !placed {
             step.cells.clear();
         }
+        step.invariant = self.invariant(&entries);
         Some((
             step,
             Flight {

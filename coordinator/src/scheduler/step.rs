@@ -38,7 +38,7 @@ impl Scheduler {
             let stops = StopMatcher::new(new.stop.clone());
             let hit = match self.prefix.as_mut() {
                 Some(pc) if new.cache_prompt => {
-                    let hit = pc.lookup(&new.prompt);
+                    let hit = pc.lookup(&new.prompt, new.deterministic);
                     let m = &self.metrics.prefix;
                     m.lookups.inc();
                     m.hit_tokens.inc_by(hit.cells.len() as u64);
@@ -158,6 +158,7 @@ impl Scheduler {
         if step.tokens.is_empty() {
             None
         } else {
+            step.invariant = self.invariant(&entries);
             self.make_room();
             if prompt_tokens > 0 && prompt_tokens < step.tokens.len() {
                 self.metrics
@@ -173,6 +174,14 @@ impl Scheduler {
                 },
             ))
         }
+    }
+
+    /// Whether a step carrying `entries` must be batch-invariant: one of
+    /// its sequences is deterministic.
+    pub(super) fn invariant(&self, entries: &[Entry]) -> bool {
+        entries
+            .iter()
+            .any(|e| self.seqs.get(&e.seq).is_some_and(|s| s.new.deterministic))
     }
 
     /// Evicts prefix cache blocks until every cell sent (this step's

@@ -403,6 +403,57 @@ impl KvCache {
         f32_to_f16(&row, out);
     }
 
+    /// Each token's cells in position order, for the batch-invariant
+    /// attention (`Ctx::attention_in_order`): `[hi, lo, lo_swa]` per token,
+    /// indices into the list that follows (the cells of each sequence of
+    /// the step, sorted by position), so that token `t` sees `list[lo..hi]`
+    /// (the cells of its sequence up to its position), or `list[lo_swa..hi]`
+    /// within `window`. The mask's rule, as lists.
+    pub fn order(&self, seqs: &[u32], pos: &[i32], window: Option<u32>, out: &mut Vec<i32>) {
+        use crate::ffi::ggml::ORDER_HEADER;
+        out.clear();
+        out.resize(ORDER_HEADER * seqs.len(), 0);
+        // Each sequence's (position, cell), sorted, and where its list starts.
+        struct List {
+            seq: u32,
+            start: usize,
+            cells: Vec<(i32, i32)>,
+        }
+        let mut lists: Vec<List> = Vec::new();
+        let mut at = 0;
+        for &s in seqs {
+            if lists.iter().any(|l| l.seq == s) {
+                continue;
+            }
+            let mut mine: Vec<(i32, i32)> = (0..self.used_end)
+                .filter(|&c| self.pos[c] != FREE && self.has_seq(c, s))
+                .map(|c| (self.pos[c], c as i32))
+                .collect();
+            mine.sort_unstable();
+            let len = mine.len();
+            lists.push(List {
+                seq: s,
+                start: at,
+                cells: mine,
+            });
+            at += len;
+        }
+        for (t, (&s, &p)) in seqs.iter().zip(pos).enumerate() {
+            let l = lists.iter().find(|l| l.seq == s).expect("listed above");
+            let hi = l.cells.partition_point(|&(cp, _)| cp <= p);
+            let lo_swa = window.map_or(0, |w| {
+                l.cells.partition_point(|&(cp, _)| p - cp >= w as i32)
+            });
+            let h = &mut out[ORDER_HEADER * t..ORDER_HEADER * (t + 1)];
+            h[0] = (l.start + hi) as i32;
+            h[1] = l.start as i32;
+            h[2] = (l.start + lo_swa.min(hi)) as i32;
+        }
+        for l in &lists {
+            out.extend(l.cells.iter().map(|&(_, c)| c));
+        }
+    }
+
     /// Takes out the cache of `layers` (all inside this cache's range): the
     /// cell table and each layer's K (and V) rows up to the last used cell.
     /// The cache itself is unchanged.

@@ -431,10 +431,7 @@ fn attention_absorbed<'g>(
     let row = row_size(kc.ty(), k_width);
     let kview = g.view(kc, &[k_width, 1, cx.n_kv], &[row, row], 0);
     let vview = g.view(kview, &[v.ne()[0], 1, cx.n_kv], &[row, row], 0);
-    let qp = g.permute(q, [0, 2, 1, 3]);
-    let kp = g.permute(kview, [0, 2, 1, 3]);
-    let vp = g.permute(vview, [0, 2, 1, 3]);
-    let out = g.flash_attn_ext(qp, kp, vp, cx.mask, hp.attn_scale, 0.0); // [kv_lora, n_head, n_tokens]
+    let out = cx.attend(il, q, kview, vview, hp.attn_scale); // [kv_lora, n_head, n_tokens]
 
     let out = g.permute(out, [0, 2, 1, 3]); // [kv_lora, n_tokens, n_head]
     let out = g.mul_mat(cx.w(il, "attn_v_b.weight"), out); // [v_dim, n_tokens, n_head]

@@ -18,9 +18,8 @@ pub(crate) struct LayerCx<'g, 's> {
     pub pos: Tensor<'g>,
     /// KV cell of each token, I64 `[n_tokens]`.
     pub kv_idx: Tensor<'g>,
-    /// Causal mask, F16 `[n_kv, n_tokens]`; and the sliding-window one.
-    pub mask: Tensor<'g>,
-    pub mask_swa: Option<Tensor<'g>>,
+    /// Which cells each token sees.
+    pub attn: AttnInput<'g>,
     pub n_kv: i64,
     pub n_tokens: i64,
     /// Rows to keep after the last layer's attention (the tokens whose logits
@@ -93,7 +92,7 @@ impl<'g> LayerCx<'g, '_> {
     }
 
     /// Self-attention over the KV cache: stores this step's K and V in their
-    /// cells, then flash attention over the first `n_kv` cells with the mask.
+    /// cells, then attends over them (see [`Self::attend`]).
     /// Returns `[head_dim_v * n_head, n_tokens]` (before the output projection).
     pub fn attention(
         &mut self,
@@ -137,19 +136,44 @@ impl<'g> LayerCx<'g, '_> {
             ],
             0,
         );
-        let q = g.permute(q, [0, 2, 1, 3]);
-        let kp = g.permute(kview, [0, 2, 1, 3]);
-        let vp = g.permute(vview, [0, 2, 1, 3]);
         debug_assert_eq!(ty, TYPE_F16);
-        let mask = if hp.is_swa(il) {
-            self.mask_swa.unwrap_or(self.mask)
-        } else {
-            self.mask
-        };
-        let out = g.flash_attn_ext(q, kp, vp, mask, scale, 0.0);
+        let out = self.attend(il, q, kview, vview, scale);
         let out = g.reshape(out, &[(hp.head_dim_v * hp.n_head) as i64, self.n_tokens]);
         self.graph.expand(out);
         out
+    }
+
+    /// Attention of `q` (`[dk, n_head, n_tokens]`) over the cache rows
+    /// `k` (`[dk, n_head_kv, n_kv]`) and `v` (`[dv, n_head_kv, n_kv]`):
+    /// ggml's flash attention with the mask, as llama.cpp runs it, or, in a
+    /// batch-invariant step, ours over each token's cells in position
+    /// order. Returns `[dv, n_head, n_tokens]`.
+    pub fn attend(
+        &self,
+        il: u32,
+        q: Tensor<'g>,
+        k: Tensor<'g>,
+        v: Tensor<'g>,
+        scale: f32,
+    ) -> Tensor<'g> {
+        let g = self.g;
+        let swa = self.hp.is_swa(il);
+        match self.attn {
+            AttnInput::Mask {
+                full,
+                swa: swa_mask,
+            } => {
+                let mask = if swa { swa_mask.unwrap_or(full) } else { full };
+                let q = g.permute(q, [0, 2, 1, 3]);
+                let kp = g.permute(k, [0, 2, 1, 3]);
+                let vp = g.permute(v, [0, 2, 1, 3]);
+                g.flash_attn_ext(q, kp, vp, mask, scale, 0.0)
+            }
+            AttnInput::InOrder(order) => {
+                let window = swa && self.hp.swa.is_some();
+                g.attention_in_order(q, k, v, order, scale, window)
+            }
+        }
     }
 
     /// Keeps only the `out_ids` rows of each tensor when this is the place to do it.
@@ -203,6 +227,20 @@ pub(crate) fn finish_moe<'g>(
         None => routed,
     };
     g.add(out, ffn_inp)
+}
+
+/// What tells attention which cells each token sees.
+#[derive(Clone, Copy)]
+pub(crate) enum AttnInput<'g> {
+    /// F16 masks `[n_kv, n_tokens]` for ggml's flash attention (causal, and
+    /// the sliding-window one where the model has it).
+    Mask {
+        full: Tensor<'g>,
+        swa: Option<Tensor<'g>>,
+    },
+    /// Each token's cells in position order (`KvCache::order`), for the
+    /// batch-invariant attention.
+    InOrder(Tensor<'g>),
 }
 
 #[derive(Clone, Copy, Debug)]

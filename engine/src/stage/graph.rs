@@ -15,6 +15,7 @@ use crate::ffi::ggml::TYPE_I64;
 use crate::kv::KvCache;
 use crate::model::layers::finish_moe;
 use crate::model::layers::Activation;
+use crate::model::layers::AttnInput;
 use crate::model::layers::LayerCx;
 use crate::model::moe::moe_experts;
 use crate::model::moe::Routing;
@@ -25,39 +26,47 @@ use std::collections::BTreeMap;
 impl Stage {
     /// Sizes the compute buffer once, for a full micro-batch over a full
     /// cache (with offloaded experts: for the largest of the graphs a step runs).
+    /// On the CPU, also for a batch-invariant step (its attention reads
+    /// order lists instead of masks).
     pub(super) fn reserve(&mut self) -> Result<(), EngineError> {
-        let n = self.cfg.n_ubatch.min(self.kv.config().n_cells());
-        let parts = GraphParts {
-            model: &self.model,
-            range: &self.range,
-            weights: &self.weights,
-            kv: &self.kv,
-            device: &self.device,
+        let kv = self.kv.config();
+        let n = self.cfg.n_ubatch.min(kv.n_cells());
+        // Each token's header, and each sequence's cells (at most n_ctx).
+        let order_len = ggml::ORDER_HEADER * n + n.min(kv.n_seq) * kv.n_ctx;
+        let modes: &[Option<usize>] = if self.exec.on_gpu() {
+            &[None]
+        } else {
+            &[None, Some(order_len)]
         };
         let oom = |e: String| EngineError::OutOfMemory {
             what: format!("compute buffer: {e}"),
             bytes: 0,
         };
-        let n_cells = self.kv.config().n_cells();
         let n_used = self
             .model
             .hparams
             .moe
             .as_ref()
             .map_or(0, |m| m.n_expert_used as usize);
-        if self.offloaded.is_empty() {
-            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-            let (graph, _) = parts.build(&ctx, n, n_cells, n);
-            return self.exec.reserve(&graph).map_err(oom);
-        }
-        for seg in self.segments(n) {
-            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-            let (graph, _) = parts.build_segment(&ctx, n, n_cells, n, &seg);
-            self.exec.reserve(&graph).map_err(oom)?;
-            if let Some(r) = seg.resume.filter(|r| r.side) {
+        let segments = self.segments(n);
+        for &in_order in modes {
+            let parts = GraphParts {
+                model: &self.model,
+                range: &self.range,
+                weights: &self.weights,
+                kv: &self.kv,
+                device: &self.device,
+                in_order,
+            };
+            for seg in &segments {
                 let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-                let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
+                let (graph, _) = parts.build_segment(&ctx, n, kv.n_cells(), n, seg);
                 self.exec.reserve(&graph).map_err(oom)?;
+                if let Some(r) = seg.resume.filter(|r| r.side && in_order.is_none()) {
+                    let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+                    let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
+                    self.exec.reserve(&graph).map_err(oom)?;
+                }
             }
         }
         Ok(())
@@ -98,6 +107,9 @@ pub(super) struct GraphParts<'a> {
     pub(super) weights: &'a Weights,
     pub(super) kv: &'a KvCache,
     pub(super) device: &'a BTreeMap<u32, DeviceExperts>,
+    /// A batch-invariant step: attention reads each token's cells from an
+    /// order list of this length (`KvCache::order`) instead of masks.
+    pub(super) in_order: Option<usize>,
 }
 
 /// A piece of one step's graph between offloaded expert blocks. The whole
@@ -139,25 +151,6 @@ pub(super) enum SegmentOut<'g> {
 }
 
 impl GraphParts<'_> {
-    /// Builds the graph of one step. Returns the graph and its output tensor.
-    pub(super) fn build<'g>(
-        &'g self,
-        ctx: &'g Ctx,
-        n_tokens: usize,
-        n_kv: usize,
-        n_out: usize,
-    ) -> (ggml::Graph<'g>, Tensor<'g>) {
-        let whole = Segment {
-            resume: None,
-            layers: (self.range.layers.start, self.range.layers.end),
-            cut: None,
-        };
-        match self.build_segment(ctx, n_tokens, n_kv, n_out, &whole) {
-            (graph, SegmentOut::Range(out)) => (graph, out),
-            (_, SegmentOut::Cut { .. }) => unreachable!("a segment without a cut ends the range"),
-        }
-    }
-
     /// Builds the graph of one segment of a step.
     pub(super) fn build_segment<'g>(
         &'g self,
@@ -193,11 +186,16 @@ impl GraphParts<'_> {
         if seg.layers.0 < seg.layers.1 || seg.cut.is_some() {
             let pos = ctx.input(TYPE_I32, &[nt], "inp_pos");
             let kv_idx = ctx.input(TYPE_I64, &[nt], "inp_kv_idx");
-            let mask = ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask");
-            let mask_swa = hp
-                .swa
-                .is_some()
-                .then(|| ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask_swa"));
+            let attn = match self.in_order {
+                Some(len) => AttnInput::InOrder(ctx.input(TYPE_I32, &[len as i64], "inp_kv_order")),
+                None => AttnInput::Mask {
+                    full: ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask"),
+                    swa: hp
+                        .swa
+                        .is_some()
+                        .then(|| ctx.input(TYPE_F16, &[n_kv as i64, nt], "inp_mask_swa")),
+                },
+            };
             let mut cx = LayerCx {
                 g: ctx,
                 graph: &mut graph,
@@ -206,8 +204,7 @@ impl GraphParts<'_> {
                 kv: self.kv,
                 pos,
                 kv_idx,
-                mask,
-                mask_swa,
+                attn,
                 n_kv: n_kv as i64,
                 n_tokens: nt,
                 out_ids: None,
@@ -301,8 +298,10 @@ impl GraphParts<'_> {
                 kv: self.kv,
                 pos: ctx.input(TYPE_I32, &[nt], "inp_pos"),
                 kv_idx: ctx.input(TYPE_I64, &[nt], "inp_kv_idx"),
-                mask: ctx.input(TYPE_F16, &[1, nt], "inp_mask"),
-                mask_swa: None,
+                attn: AttnInput::Mask {
+                    full: ctx.input(TYPE_F16, &[1, nt], "inp_mask"),
+                    swa: None,
+                },
                 n_kv: 1,
                 n_tokens: nt,
                 out_ids: None,

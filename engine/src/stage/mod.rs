@@ -12,7 +12,7 @@ mod weights;
 mod wire;
 
 pub use crate::range::LayerRange;
-pub use weights::Weights;
+pub use weights::{Repack, Weights};
 pub use wire::{Batch, Hidden, HiddenDtype, Logits};
 
 use self::device_experts::DeviceExperts;
@@ -49,6 +49,14 @@ pub struct StageConfig {
     /// Re-lay quantized matmul weights for the CPU's fastest kernels
     /// (llama.cpp's default "extra buffer types"). Costs a copy of those weights.
     pub repack: bool,
+    /// Loaded for batch-invariant steps ([`Batch::invariant`]): dense
+    /// matmul weights stay in the file's layout, because ggml's repacked
+    /// Q4_K kernel computes rows four at a time one way and the rest
+    /// another, so a row's result would depend on its batch (routed experts
+    /// are still repacked: that kernel takes their rows one at a time).
+    /// CPU only.
+    #[serde(default)]
+    pub deterministic: bool,
 }
 
 impl Default for StageConfig {
@@ -62,6 +70,7 @@ impl Default for StageConfig {
             n_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             device: Device::Cpu,
             repack: true,
+            deterministic: false,
         }
     }
 }
@@ -80,9 +89,11 @@ pub struct Stage {
     device: BTreeMap<u32, DeviceExperts>,
     kv: KvCache,
     exec: Executor,
-    // Reused scratch for the masks.
+    // Reused scratch for the masks, and for the order lists that take
+    // their place in a batch-invariant step.
     mask: Vec<u16>,
     mask_swa: Vec<u16>,
+    order: Vec<i32>,
     /// The KV cells the last step's tokens went into.
     last_cells: Vec<i64>,
 }
@@ -150,6 +161,12 @@ impl Stage {
                 cfg.kv.n_ctx, hp.n_ctx_train
             )));
         }
+        if cfg.deterministic && cfg.device.is_gpu() {
+            return Err(EngineError::Config(format!(
+                "deterministic (batch-invariant) steps run on the CPU backend only; this stage is on {}",
+                cfg.device
+            )));
+        }
         let gpu = match cfg.device {
             Device::Cpu => None,
             Device::Cuda(i) => Some(ggml_device::cuda_device(i).map_err(EngineError::Gpu)?),
@@ -160,7 +177,11 @@ impl Stage {
             EngineError::CpuBackend
         })?;
         let device = exec.on_gpu().then(|| exec.buffer_type());
-        let weights = Weights::load(&model, &range, &offloaded, cfg.repack, device, progress)?;
+        let repack = Repack {
+            dense: cfg.repack && !cfg.deterministic,
+            experts: cfg.repack,
+        };
+        let weights = Weights::load(&model, &range, &offloaded, repack, device, progress)?;
         let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, exec.buffer_type())?;
         let n_expert = hp.moe.as_ref().map_or(0, |m| m.n_expert as usize);
         let expert_counts = offloaded
@@ -179,6 +200,7 @@ impl Stage {
             exec,
             mask: Vec::new(),
             mask_swa: Vec::new(),
+            order: Vec::new(),
             last_cells: Vec::new(),
         };
         stage.reserve()?;

@@ -68,6 +68,11 @@ impl Stage {
     ) -> Result<StageOutput, EngineError> {
         let hp = &self.model.hparams;
         batch.validate(self.range.embed)?;
+        if batch.invariant && !self.cfg.deterministic {
+            return Err(EngineError::Config(
+                "a batch-invariant step needs a stage loaded for it (deterministic): this one repacked its weights, whose kernel computes a row differently inside a batch".into(),
+            ));
+        }
         let n = batch.len();
         if n > self.cfg.n_ubatch {
             return Err(EngineError::Config(format!(
@@ -135,7 +140,16 @@ impl Stage {
         }
         let n_kv = self.kv.n_kv();
         let has_layers = !self.range.layers.is_empty();
-        if has_layers {
+        self.exec
+            .set_batch_invariant(batch.invariant)
+            .map_err(EngineError::CpuBackend)?;
+        let in_order = (batch.invariant && has_layers).then(|| {
+            let window = hp.swa.as_ref().map(|s| s.window);
+            self.kv
+                .order(&batch.seq, &batch.pos, window, &mut self.order);
+            self.order.len()
+        });
+        if has_layers && in_order.is_none() {
             self.kv
                 .mask(&batch.seq, &batch.pos, n_kv, None, &mut self.mask);
             if let Some(swa) = &hp.swa {
@@ -165,6 +179,7 @@ impl Stage {
                 weights: &self.weights,
                 kv: &self.kv,
                 device: &self.device,
+                in_order,
             };
             let (graph, out) = parts.build_segment(&ctx, n, n_kv, out_rows.len(), &seg);
             self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
@@ -185,6 +200,7 @@ impl Stage {
             set("inp_kv_idx", &|t| t.write(kv_idx));
             set("inp_mask", &|t| t.write(&self.mask));
             set("inp_mask_swa", &|t| t.write(&self.mask_swa));
+            set("inp_kv_order", &|t| t.write(&self.order));
             set("inp_out_ids", &|t| {
                 t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
             });
@@ -242,6 +258,7 @@ impl Stage {
                 ffn_inp: ffn_inp_vals,
                 ids: id_vals,
                 weights: w_vals,
+                invariant: batch.invariant,
             };
             let c = self.run_experts(cut, experts.as_deref_mut())?;
             carry = Some(c);
@@ -266,6 +283,7 @@ impl Stage {
             ffn_inp,
             ids: id_vals,
             weights: w_vals,
+            invariant,
         } = cut;
         let mut c = Carry {
             n_tokens: n_cut,
@@ -297,6 +315,7 @@ impl Stage {
             weights: &self.weights,
             kv: &self.kv,
             device: &self.device,
+            in_order: None,
         };
         let side_graph = if has_side {
             let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
@@ -313,7 +332,8 @@ impl Stage {
         };
         let (rows, batch) = executor_share(split, layer, n_cut, e, x, id_vals, w_vals);
         let mut remote = None;
-        if let Some(batch) = batch {
+        if let Some(mut batch) = batch {
+            batch.invariant = invariant;
             let exec = experts.ok_or_else(|| {
                 EngineError::Config(format!(
                     "layer {layer}'s routed experts are elsewhere but no expert executor was given"
@@ -372,6 +392,8 @@ struct CutOut {
     ffn_inp: Vec<f32>,
     ids: Vec<i32>,
     weights: Vec<f32>,
+    /// The step is batch-invariant.
+    invariant: bool,
 }
 
 /// The expert executor's share of a cut: every token, or with device
@@ -394,6 +416,7 @@ fn executor_share(
                 x,
                 ids,
                 weights,
+                invariant: false,
             }),
         ),
         Some(s) if s.rows.is_empty() => (None, None),
@@ -413,6 +436,7 @@ fn executor_share(
                 x,
                 ids: s.ids,
                 weights: s.weights,
+                invariant: false,
             };
             (Some(s.rows), Some(batch))
         }

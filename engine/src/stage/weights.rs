@@ -12,6 +12,24 @@ use crate::model::WeightOp;
 use crate::range::LayerRange;
 use std::collections::HashMap;
 
+/// Which weights go into the CPU's repacked layout (where it takes them).
+#[derive(Clone, Copy, Debug)]
+pub struct Repack {
+    /// Weights of `mul_mat` (attention, dense FFN, shared experts, head).
+    pub dense: bool,
+    /// Routed experts (`mul_mat_id`).
+    pub experts: bool,
+}
+
+impl Repack {
+    pub fn all(on: bool) -> Repack {
+        Repack {
+            dense: on,
+            experts: on,
+        }
+    }
+}
+
 /// Where a weight lives: the memory map (zero-copy) or a repacked copy.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Slot {
@@ -59,7 +77,7 @@ impl Weights {
         model: &ModelFile,
         range: &LayerRange,
         offloaded: &[u32],
-        repack: bool,
+        repack: Repack,
         device: Option<BufferType>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Weights, EngineError> {
@@ -104,13 +122,13 @@ impl Weights {
     pub(crate) fn load_named(
         model: &ModelFile,
         wanted: &[(String, WeightOp)],
-        repack: bool,
+        repack: Repack,
         device: Option<BufferType>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Weights, EngineError> {
         let g = &model.gguf;
         let hp = &model.hparams;
-        let extra = if repack && device.is_none() {
+        let extra = if (repack.dense || repack.experts) && device.is_none() {
             ggml::cpu_extra_buffer_types().map_err(EngineError::CpuBackend)?
         } else {
             Vec::new()
@@ -136,8 +154,10 @@ impl Weights {
             // weights end up repacked (and the same kernels run).
             let use_repack = repack_buft.is_some_and(|b| match op {
                 _ if device.is_some() => name != "token_embd.weight",
-                WeightOp::MulMat => ggml::buft_supports_mul_mat(b, mapped.get(idx)),
-                WeightOp::MulMatId => ggml::buft_supports_mul_mat_id(b, mapped.get(idx), n_used),
+                WeightOp::MulMat => repack.dense && ggml::buft_supports_mul_mat(b, mapped.get(idx)),
+                WeightOp::MulMatId => {
+                    repack.experts && ggml::buft_supports_mul_mat_id(b, mapped.get(idx), n_used)
+                }
                 WeightOp::Other => false,
             });
             if use_repack {

@@ -18,6 +18,12 @@ pub struct Batch {
     /// that must lay a sequence's cache out as before); empty: the stage
     /// allocates free cells.
     pub cells: Vec<i64>,
+    /// Compute every token as it would be computed alone: batch-invariant
+    /// kernels (`CpuBackend::set_batch_invariant`) and attention over each
+    /// token's cells in position order, so a sequence's logits do not
+    /// depend on what shares its step, on prefill chunking or on where its
+    /// cells sit. Needs a stage loaded with `StageConfig::deterministic`.
+    pub invariant: bool,
 }
 
 impl Batch {

@@ -648,6 +648,7 @@ impl StageRun {
             seq: step.seqs.clone(),
             logits: step.logits.clone(),
             cells: step.cells.clone(),
+            invariant: step.invariant,
         };
         let input = if stage.range().embed {
             None

@@ -24,6 +24,7 @@ fn actual_and_estimate(
         n_threads: 1,
         device: Default::default(),
         repack: false,
+        deterministic: false,
     };
     let actual = Stage::load(m.clone(), r.clone(), sc)
         .unwrap()

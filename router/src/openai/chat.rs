@@ -301,6 +301,7 @@ impl ChatCompletionRequest {
             stop: common.stop()?,
             ignore_eos: self.ignore_eos == Some(true),
             cache_prompt: self.cache_prompt,
+            deterministic: self.deterministic == Some(true),
             logprobs: self.logprobs(),
             top_logprobs,
             request_id: String::new(),

@@ -189,6 +189,7 @@ impl CompletionRequest {
             stop: common.stop()?,
             ignore_eos: self.ignore_eos == Some(true),
             cache_prompt: self.cache_prompt,
+            deterministic: self.deterministic == Some(true),
             logprobs: self.logprobs(),
             top_logprobs,
             request_id: String::new(),

@@ -15,7 +15,8 @@
 //!   sequence of its own in the cluster, which has few sequence slots.
 //! - Extensions from llama.cpp and vLLM: `top_k` (0 or negative: off), `min_p` 0..=1,
 //!   `repeat_penalty` > 0, `ignore_eos`, `cache_prompt` (false: this prompt neither starts
-//!   from the prefix cache nor leaves blocks in it).
+//!   from the prefix cache nor leaves blocks in it). Ours: `deterministic` (true: the same
+//!   tokens whatever else runs; see the coordinator's `--deterministic`).
 //! - Structured output on both endpoints: `response_format` `text`, `json_object` and
 //!   `json_schema` (strict or not), and llama.cpp's `json_schema` and `grammar` (in
 //!   llguidance's Lark syntax, not GBNF: a GBNF grammar is refused saying so). At most one

@@ -133,6 +133,9 @@ pub struct ChatCompletionRequest {
     /// llama-server's: false keeps this prompt out of the prefix cache
     /// (it neither starts from cached blocks nor leaves any).
     pub cache_prompt: Option<bool>,
+    /// Ours: true asks for batch-invariant decoding (the same tokens
+    /// whatever else runs), on a cluster started with `--deterministic`.
+    pub deterministic: Option<bool>,
     /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
@@ -184,6 +187,9 @@ pub struct CompletionRequest {
     /// llama-server's: false keeps this prompt out of the prefix cache
     /// (it neither starts from cached blocks nor leaves any).
     pub cache_prompt: Option<bool>,
+    /// Ours: true asks for batch-invariant decoding (the same tokens
+    /// whatever else runs), on a cluster started with `--deterministic`.
+    pub deterministic: Option<bool>,
     /// As for chat (llama.cpp's server takes it on completions too).
     pub response_format: Option<Value>,
     /// llama.cpp's extensions: a JSON schema, or a grammar (Lark syntax).

@@ -228,6 +228,22 @@ impl CpuBackend {
         BufferType(unsafe { sys::ggml_backend_get_default_buffer_type(self.raw.as_ptr()) })
     }
 
+    /// Batch-invariant kernels (`on`) or the fastest ones, for the graphs
+    /// computed from now on: ggml's reference path (`use_ref`), in which
+    /// every matmul element is one `vec_dot` over the whole row, whatever
+    /// the number of rows (no tiled K-quant or llamafile kernels, whose
+    /// arithmetic differs from `vec_dot` and which take over from 2 or 8
+    /// rows), no fused ops, and flash attention's per-row path.
+    pub fn set_batch_invariant(&mut self, on: bool) -> Result<(), String> {
+        type SetRef = unsafe extern "C" fn(sys::ggml_backend_t, bool);
+        let f = cpu_proc(c"ggml_backend_cpu_set_use_ref")?;
+        // SAFETY: ggml-cpu.h declares `void ggml_backend_cpu_set_use_ref(ggml_backend_t, bool)`.
+        let set: SetRef = unsafe { std::mem::transmute::<*mut c_void, SetRef>(f) };
+        // SAFETY: valid CPU backend; the flag is read when a graph is planned.
+        unsafe { set(self.raw.as_ptr(), on) };
+        Ok(())
+    }
+
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<(), String> {
         // SAFETY: the graph's tensors are all allocated (gallocr or weights).
         computed(unsafe { sys::ggml_backend_graph_compute(self.raw.as_ptr(), graph.raw.as_ptr()) })
@@ -327,6 +343,11 @@ impl Executor {
 
     pub fn on_gpu(&self) -> bool {
         self.gpu.is_some()
+    }
+
+    /// See [`CpuBackend::set_batch_invariant`] (the CPU backend only).
+    pub fn set_batch_invariant(&mut self, on: bool) -> Result<(), String> {
+        self.cpu.set_batch_invariant(on)
     }
 
     /// Sizes the compute buffers for `graph` (they only grow).

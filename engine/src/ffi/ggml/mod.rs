@@ -9,10 +9,12 @@
 //! which aborts, so callers validate everything that comes from a file
 //! (tensor shapes, hyper-parameters) *before* building a graph.
 
+mod attention;
 mod backend;
 mod check;
 
 use super::cpu_variant;
+pub use attention::ORDER_HEADER;
 pub use backend::{
     buft_supports_mul_mat, buft_supports_mul_mat_id, cpu_extra_buffer_types, Buffer, BufferType,
     CpuBackend, Executor, GraphAllocator, TensorStore,
