@@ -7,7 +7,10 @@
 //! stage's time went while N streams ran (computing, sending on, waiting
 //! for input) from the workers' Status; and the prefix cache's run: time to
 //! first token of turn 10 of a chat with a long shared history, with the
-//! server's prompt cache and without (`cache_prompt`).
+//! server's prompt cache and without (`cache_prompt`). Every row also has
+//! its prefill speed (a prompt of about 600 tokens, uncached). With
+//! `--deterministic`, each omni cluster runs a second time with
+//! `--deterministic on`, and the two modes are compared as ratios.
 
 use crate::bench_cluster::free_port;
 use crate::up::{LocalCluster, UpArgs};
@@ -52,6 +55,10 @@ pub struct BenchServeArgs {
     /// and without the prompt cache).
     #[arg(long)]
     pub no_prefix: bool,
+    /// Also run each omni cluster deterministic (`--deterministic on`) and
+    /// print its speeds against the default mode's.
+    #[arg(long)]
+    pub deterministic: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -76,6 +83,8 @@ const CTX: usize = 2048;
 
 struct Row {
     name: String,
+    /// Prompt tokens per second of one uncached prompt.
+    prefill: f64,
     one: f64,
     many: f64,
     chat: Option<f64>,
@@ -123,8 +132,21 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
         });
     }
 
-    for &stages in &a.stages {
-        let name = format!("omni {stages} stage{}", if stages == 1 { "" } else { "s" });
+    let modes: &[bool] = if a.deterministic {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    for (&stages, &det) in a
+        .stages
+        .iter()
+        .flat_map(|s| modes.iter().map(move |d| (s, d)))
+    {
+        let name = format!(
+            "omni {stages} stage{}{}",
+            if stages == 1 { "" } else { "s" },
+            if det { " deterministic" } else { "" }
+        );
         eprintln!("bench-serve: {name}");
         let listen = format!("127.0.0.1:{}", free_port()?);
         let port = free_port()?;
@@ -133,6 +155,7 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
             ctx: CTX,
             seqs: a.streams,
             admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+            deterministic: det.then(|| "on".to_string()),
             ..UpArgs::bench(&a.model, stages, "auto", &listen, threads)
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
@@ -173,6 +196,10 @@ async fn measure(
 ) -> anyhow::Result<Row> {
     // A warm-up request: the first one pays for page faults and caches.
     completion(http, base, model, PROMPTS[0], 8).await?;
+    let mut prefill = Vec::new();
+    for round in 0..a.rounds {
+        prefill.push(prefill_rate(http, base, model, round).await?);
+    }
     let mut one = Vec::new();
     for _ in 0..a.rounds {
         let t = Instant::now();
@@ -234,6 +261,7 @@ async fn measure(
     let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     Ok(Row {
         name: String::new(),
+        prefill: best(&prefill),
         one: best(&one),
         many: best(&many),
         chat,
@@ -314,6 +342,29 @@ async fn prefix(
         cached_ms,
         uncached_ms,
     })
+}
+
+/// Prompt tokens per second of one prompt of about 600 tokens, uncached
+/// (`cache_prompt: false`, and another first word each round), for one
+/// token: its request time is its prefill.
+async fn prefill_rate(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    round: usize,
+) -> anyhow::Result<f64> {
+    let prompt = format!("Prefill {round}. {}", CHAT_PROMPTS.join(" ").repeat(24));
+    let t = Instant::now();
+    let body = answer(
+        http.post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({
+                "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "cache_prompt": false,
+            })),
+    )
+    .await?;
+    let n = body["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as f64;
+    Ok(n / t.elapsed().as_secs_f64())
 }
 
 /// A request's JSON answer; an error status is an error.
@@ -591,12 +642,27 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
         (Some(v), Some(of)) if of > 0.0 => Some(v / of),
         _ => None,
     };
+    // A deterministic row's default-mode twin.
+    let default_of = |r: &Row| {
+        r.name
+            .strip_suffix(" deterministic")
+            .and_then(|n| rows.iter().find(|d| d.name == n))
+    };
     if a.json {
         let v: Vec<_> = rows
             .iter()
             .map(|r| {
+                let det = default_of(r).map(|d| {
+                    serde_json::json!({
+                        "prefill": ratio(Some(r.prefill), Some(d.prefill)),
+                        "one_stream": ratio(Some(r.one), Some(d.one)),
+                        "streams": ratio(Some(r.many), Some(d.many)),
+                    })
+                });
                 serde_json::json!({
                     "config": r.name,
+                    "prefill_tok_s": r.prefill,
+                    "deterministic_vs_default": det,
                     "one_stream_tok_s": r.one,
                     "streams_tok_s": r.many,
                     "chat_tok_s": r.chat,
@@ -642,8 +708,9 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
     );
     let n = a.streams;
     println!(
-        "{:<26} {:>9} {:>8} {:>8} {:>11} {:>8} {:>8} {:>9} {:>8}",
+        "{:<28} {:>8} {:>9} {:>8} {:>8} {:>11} {:>8} {:>8} {:>9} {:>8}",
         "config",
+        "prefill",
         "1 stream",
         "vs llama",
         "vs 1 st",
@@ -655,8 +722,9 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
     );
     for r in rows {
         println!(
-            "{:<26} {:>9.1} {:>8} {:>8} {:>11.1} {:>8} {:>8} {:>9} {:>8}",
+            "{:<28} {:>8.1} {:>9.1} {:>8} {:>8} {:>11.1} {:>8} {:>8} {:>9} {:>8}",
             r.name,
+            r.prefill,
             r.one,
             x(ratio(Some(r.one), reference.map(|x| x.one))),
             x(ratio(Some(r.one), one_stage.map(|x| x.one))),
@@ -666,6 +734,20 @@ fn print(a: &BenchServeArgs, model: &Path, threads: usize, rows: &[Row]) -> anyh
             r.chat.map_or("-".into(), |c| format!("{c:.1}")),
             x(ratio(r.chat, reference.and_then(|x| x.chat))),
         );
+    }
+    if rows.iter().any(|r| default_of(r).is_some()) {
+        println!("deterministic against the default mode (same run):");
+        for r in rows {
+            if let Some(d) = default_of(r) {
+                println!(
+                    "  {:<26} prefill {}, 1 stream {}, {n} streams {}",
+                    d.name,
+                    x(ratio(Some(r.prefill), Some(d.prefill))),
+                    x(ratio(Some(r.one), Some(d.one))),
+                    x(ratio(Some(r.many), Some(d.many))),
+                );
+            }
+        }
     }
     if rows.iter().any(|r| r.stall.is_some()) {
         println!(

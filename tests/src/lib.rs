@@ -344,19 +344,7 @@ impl Cluster {
 
     /// Every stage's Worker.Status, in stage order.
     pub fn statuses(&self) -> Vec<omni_proto::worker::v1::StatusReply> {
-        use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
-        let stages = self.info().expect("coordinator info").stages;
-        self.rt.block_on(async {
-            let mut out = Vec::new();
-            for s in &stages {
-                let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr))
-                    .await
-                    .expect("worker reachable");
-                let st = w.status(StatusRequest {}).await.expect("worker status");
-                out.push(st.into_inner());
-            }
-            out
-        })
+        stage_statuses(&self.rt, &self.info().expect("coordinator info"))
     }
 
     /// KV cache cells in use on each worker, in stage order.
@@ -669,6 +657,25 @@ impl Streams {
     }
 }
 
+/// The Worker.Status of each stage `info` names, in stage order.
+fn stage_statuses(
+    rt: &tokio::runtime::Runtime,
+    info: &InfoReply,
+) -> Vec<omni_proto::worker::v1::StatusReply> {
+    use omni_proto::worker::v1::{worker_client::WorkerClient, StatusRequest};
+    rt.block_on(async {
+        let mut out = Vec::new();
+        for s in &info.stages {
+            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr))
+                .await
+                .expect("worker reachable");
+            let st = w.status(StatusRequest {}).await.expect("worker status");
+            out.push(st.into_inner());
+        }
+        out
+    })
+}
+
 /// Every stream finished without an error and with the tokens it got alone.
 pub fn same_tokens(results: &[Result<Vec<u32>, String>], alone: &[Vec<u32>], across: &str) {
     assert_eq!(results.len(), alone.len());
@@ -749,6 +756,11 @@ impl Supervised {
                 .map(|r| r.into_inner())
                 .map_err(|s| s.message().to_string())
         })
+    }
+
+    /// Every stage's Worker.Status, in stage order.
+    pub fn statuses(&self) -> Vec<omni_proto::worker::v1::StatusReply> {
+        stage_statuses(&self.rt, &self.info().expect("coordinator info"))
     }
 
     /// The folder `up` keeps its admin token in (its XDG_STATE_HOME).

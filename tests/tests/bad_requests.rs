@@ -43,6 +43,7 @@ fn bad_requests() -> Vec<(&'static str, &'static str, &'static str, Vec<u8>)> {
         ("a prompt as an object", "/v1/completions", j, chat(json!({"model": "gemma3-270m", "prompt": {"text": "hi"}}))),
         ("logit_bias with a word for a key", "/v1/chat/completions", j, chat(json!({"model": "gemma3-270m", "messages": msgs, "logit_bias": {"hello": 5}}))),
         ("a text/plain body", "/v1/chat/completions", "text/plain", chat(json!({"model": "gemma3-270m", "messages": msgs}))),
+        ("deterministic on a cluster without it", "/v1/chat/completions", j, chat(json!({"model": "gemma3-270m", "messages": msgs, "deterministic": true}))),
     ]
 }
 
@@ -88,6 +89,27 @@ fn two_hundred_bad_requests_get_openai_errors_and_the_cluster_serves_on() {
             );
         }
     }
+    // Deterministic decoding on a cluster started without it: the field
+    // and the flag that allows it are named.
+    let (status, text) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("Content-Type", "application/json"), ("Authorization", &auth)],
+        json!({"model": "gemma3-270m", "messages": [{"role": "user", "content": "Hi"}], "deterministic": true})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(status, 400, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["param"], "deterministic", "{text}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--deterministic on"),
+        "{text}"
+    );
     // The cluster serves normally afterwards.
     let (status, text) = http(
         &addr,

@@ -181,6 +181,43 @@ fn eight_concurrent_requests_match_solo_bit_for_bit() {
     }
 }
 
+/// `--deterministic request`: a request that asks for it gets, beside three
+/// that do not (in the same steps, so those steps run the invariant
+/// kernels), exactly what it gets alone; the others are served as usual.
+#[test]
+fn a_deterministic_request_beside_others_equals_itself_alone() {
+    let prompts = short_prompts("real_qwen2_5_coder_0_5b.json", 4);
+    let _g = serial();
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.threads = 2;
+    spec.coordinator_args = vec!["--deterministic".into(), "request".into()];
+    let cluster = Cluster::start(&model(QWEN), &spec);
+    let det = GenerateRequest {
+        top_logprobs: 2,
+        logprobs: true,
+        deterministic: true,
+        ..greedy(&prompts[0], N_GEN)
+    };
+    let alone = omni_tests::start_streams(&cluster.addr, vec![det.clone()]);
+    let want = alone.handle.join().unwrap().remove(0).unwrap();
+    let want_bits = alone.logprobs.lock().unwrap()[0].clone();
+    let mut reqs = vec![det];
+    reqs.extend(prompts[1..].iter().map(|p| greedy(p, N_GEN)));
+    let streams = omni_tests::start_streams(&cluster.addr, reqs);
+    let got = streams.handle.join().unwrap();
+    for (i, r) in got.iter().enumerate() {
+        let r = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("request {i}: {e}\n{}", cluster.logs()));
+        assert_eq!(r.len(), N_GEN, "request {i}");
+    }
+    assert_eq!(got[0].as_ref().unwrap(), &want, "tokens differ from alone");
+    assert!(
+        streams.logprobs.lock().unwrap()[0] == want_bits,
+        "log-probabilities differ from alone"
+    );
+}
+
 /// Every failure below must end within this long.
 const BOUND: Duration = Duration::from_secs(60);
 

@@ -10,11 +10,10 @@
 //! or makes no sense is refused up front, naming the problem, and nothing
 //! changes.
 //!
-//! The clusters run one micro-batch group per stream (`--micro-batches`),
-//! so every stream is computed in steps of its own and its tokens cannot
-//! depend on how the others were batched with it (batch shape changes
-//! ggml's matmul path and the last bits of the logits; see cluster.rs's
-//! concurrent test). What is left to differ is what the moves change.
+//! The clusters are deterministic (`--deterministic on`): the streams share
+//! steps, and a stream's tokens depend neither on how the others were
+//! batched with it nor on where the moves put its layers and cells, so
+//! they are compared exactly with each stream alone.
 
 use omni_proto::coordinator::v1::GenerateRequest;
 use omni_proto::worker::v1::grammar::{JsonObject, Kind};
@@ -39,8 +38,7 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
     omni_tests::short_prompts("real_gemma3_270m.json", n)
 }
 
-/// 3 workers over shared memory (layers 7,5,6), one micro-batch group per
-/// stream.
+/// 3 deterministic workers over shared memory (layers 7,5,6).
 fn cluster(worker_args: Vec<Vec<String>>) -> Cluster {
     let mut spec = ClusterSpec::new(3, "shm");
     spec.ctx = 512;
@@ -49,10 +47,10 @@ fn cluster(worker_args: Vec<Vec<String>>) -> Cluster {
     spec.coordinator_args = vec![
         "--admin-token".into(),
         TOKEN.into(),
-        "--micro-batches".into(),
-        "4".into(),
         "--counts".into(),
         "7,5,6".into(),
+        "--deterministic".into(),
+        "on".into(),
     ];
     Cluster::start(&model(GEMMA), &spec)
 }
@@ -223,20 +221,26 @@ fn draining_a_worker_under_load_keeps_every_stream_and_undrain_brings_it_back() 
     let _g = serial();
     let c = cluster(Vec::new());
     let ps = prompts(4);
-    // First a stream sampled with a seed, alone (so its KV cells lie as
-    // in its run without moves: other sequences' cells change how many
-    // cells a step attends over, and so the last bits of its logits):
-    // the head moves to w1 and back, and with it the sampler (random
-    // stream, penalty history).
+    // First a stream sampled with a seed beside three greedy ones: the
+    // head moves to w1 and back, and with it the sampler (random stream,
+    // penalty history); each stream gets what it gets alone.
     let sampled = seeded(&ps[3]);
-    let want = ids(&c.generate(sampled.clone()).unwrap());
-    let stream = start_streams(&c.addr, vec![sampled]);
+    let mixed: Vec<GenerateRequest> = ps[..3]
+        .iter()
+        .map(|p| greedy(p, N_GEN))
+        .chain([sampled])
+        .collect();
+    let want: Vec<Vec<u32>> = mixed
+        .iter()
+        .map(|r| ids(&c.generate(r.clone()).unwrap()))
+        .collect();
+    let stream = start_streams(&c.addr, mixed);
     stream.wait_for(8);
     move_ok(&c, &["drain", "w2"]);
     move_ok(&c, &["undrain", "w2"]);
     let at_move = stream.progress.load(Ordering::Relaxed);
-    same_tokens(&stream.handle.join().unwrap(), &[want], "the head's moves");
-    assert!(at_move < N_GEN, "the moves ended after the stream");
+    same_tokens(&stream.handle.join().unwrap(), &want, "the head's moves");
+    assert!(at_move < 4 * N_GEN, "the moves ended after the streams");
     // The same with a grammar (any JSON object): its state moves with the
     // head too, fed the sequence's history again where it lands.
     let mut constrained = seeded(&ps[2]);
@@ -424,10 +428,10 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
         TOKEN,
         "--experts",
         "cpu",
-        "--micro-batches",
-        "2",
         "--counts",
         "2,2",
+        "--deterministic",
+        "on",
     ]
     .map(String::from)
     .to_vec();
@@ -445,11 +449,14 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
             .collect()
     };
     assert_eq!(offloaded(&c), ["1", "2-3"]);
-    const N: usize = 800;
-    // One stream, alone as in its run without moves: on this random-weight
-    // model near-ties are common, and other sequences' KV cells would
-    // change the last bits of its logits (see the drain test).
-    let reqs = vec![greedy(&[1, 17, 42, 99, 5], N)];
+    const N: usize = 400;
+    // Three streams (this random-weight model is full of near ties: only a
+    // deterministic cluster gives them their tokens alone).
+    let reqs = vec![
+        greedy(&[1, 17, 42, 99, 5], N),
+        greedy(&[1, 3, 5, 7], N),
+        greedy(&[1, 200, 33], N),
+    ];
     let alone: Vec<Vec<u32>> = reqs
         .iter()
         .map(|r| ids(&c.generate(r.clone()).unwrap()))
@@ -464,7 +471,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
     assert_eq!(offloaded(&c), ["1-2", "3"]);
     let at_last_move = streams.progress.load(Ordering::Relaxed);
     let results = streams.handle.join().unwrap();
-    assert!(at_last_move < N, "the moves ended after the stream");
+    assert!(at_last_move < 3 * N, "the moves ended after the streams");
     same_tokens(&results, &alone, "the moves");
     let info = c.info().unwrap();
     assert!(

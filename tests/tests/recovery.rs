@@ -8,10 +8,10 @@
 //! The model is the tiny synthetic deepseek2 (MLA, Q8_0) with every MoE
 //! layer's routed experts on an expert worker, so the three kinds of
 //! process can be killed: the first stage, the last stage and the
-//! cpu-worker. It runs one micro-batch group per stream, one thread per
-//! worker, and prompts shorter than one attention tile, so a stream's
-//! tokens do not depend on how the other streams' steps interleave (its
-//! near-ties are many: its weights are random).
+//! cpu-worker. The clusters whose tokens are compared run deterministic
+//! (`--deterministic on`): the streams share steps, and a replay computes
+//! them in other steps than the first time, yet every token and every
+//! log-probability comes out bit for bit as in a run without the crash.
 
 use omni_proto::coordinator::v1::GenerateRequest;
 use omni_tests::{
@@ -35,17 +35,15 @@ fn requests() -> Vec<GenerateRequest> {
     ]
     .iter()
     .map(|p| GenerateRequest {
-        // Their tokens are compared with a clean run's exactly, and this
-        // model's attention (absorbed MLA, no flash attention) sums in an
-        // order that follows the cells' layout: blocks the prefix cache
-        // kept from an earlier run would put the streams in other cells.
-        cache_prompt: Some(false),
+        logprobs: true,
+        top_logprobs: 2,
         ..greedy(p, N_GEN)
     })
     .collect()
 }
 
-/// Two stages (layers 2,2) and one expert worker, 4 sequences.
+/// Two stages (layers 2,2) and one expert worker, 4 sequences,
+/// deterministic.
 fn cluster(env: &[(&str, &str)]) -> Supervised {
     supervised(
         &model(),
@@ -58,62 +56,53 @@ fn cluster(env: &[(&str, &str)]) -> Supervised {
             "cpu",
             "--counts",
             "2,2",
+            "--deterministic",
+            "on",
         ],
         env,
     )
 }
 
-/// `omnictl up` with 4 sequences of 512 tokens, one micro-batch group per
-/// sequence, one thread per worker, shared memory, health every 0.5 s.
+/// `omnictl up` with 4 sequences of 512 tokens, one thread per worker
+/// unless `args` say otherwise, shared memory, health every 0.5 s.
 fn supervised(model: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
     let mut env = env.to_vec();
-    env.extend([
-        ("OMNI_COORDINATOR_MICRO_BATCHES", "4"),
-        ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
-    ]);
+    env.push(("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"));
     let mut args = args.to_vec();
-    args.extend([
-        "--ctx",
-        "512",
-        "--seqs",
-        "4",
-        "--threads",
-        "1",
-        "--transport",
-        "shm",
-    ]);
+    args.extend(["--ctx", "512", "--seqs", "4", "--transport", "shm"]);
+    if !args.contains(&"--threads") {
+        args.extend(["--threads", "1"]);
+    }
     Supervised::start(model, &args, &env)
 }
 
-/// The streams' tokens on the cluster as it is (the run to compare with).
-/// The streams' tokens without a crash. They leave nothing in the prefix
-/// cache (`cache_prompt: false`), so the run that follows computes its
-/// prompts as this one did rather than starting from cells computed in
-/// other steps, and its tokens can be compared exactly.
-fn clean_run(c: &Supervised, reqs: Vec<GenerateRequest>) -> Vec<Vec<u32>> {
-    let reqs = reqs
-        .into_iter()
-        .map(|r| GenerateRequest {
-            cache_prompt: Some(false),
-            ..r
-        })
-        .collect();
-    start_streams(&c.addr, reqs)
+/// What the streams get without a crash: their tokens, and their
+/// log-probabilities bit for bit.
+struct Clean {
+    ids: Vec<Vec<u32>>,
+    logprobs: Vec<Vec<u32>>,
+}
+
+fn clean_run(c: &Supervised, reqs: Vec<GenerateRequest>) -> Clean {
+    let streams = start_streams(&c.addr, reqs);
+    let ids = streams
         .handle
         .join()
         .unwrap()
         .into_iter()
         .map(|r| r.expect("the clean run"))
-        .collect()
+        .collect();
+    let logprobs = streams.logprobs.lock().unwrap().clone();
+    Clean { ids, logprobs }
 }
 
 /// Runs the 4 streams, doing `hurt` once they are a few tokens in; checks
-/// every stream finished with `want`'s tokens and returns the longest
-/// pause a stream saw.
+/// every stream finished with `want`'s tokens and log-probabilities and
+/// returns the longest pause a stream saw.
 fn run_through(
     c: &Supervised,
     reqs: Vec<GenerateRequest>,
-    want: &[Vec<u32>],
+    want: &Clean,
     what: &str,
     hurt: impl FnOnce(&Supervised),
 ) -> Duration {
@@ -133,7 +122,14 @@ fn run_through(
     if results.iter().any(Result::is_err) {
         panic!("{what}: {results:?}\n{}", c.proc.log_text());
     }
-    same_tokens(&results, want, what);
+    same_tokens(&results, &want.ids, what);
+    let bits = streams.logprobs.lock().unwrap().clone();
+    for (i, (got, want)) in bits.iter().zip(&want.logprobs).enumerate() {
+        assert!(
+            got == want,
+            "{what}: stream {i} has the same tokens but other log-probabilities"
+        );
+    }
     Duration::from_micros(streams.max_gap_us.load(Ordering::Relaxed))
 }
 
@@ -172,10 +168,9 @@ fn streams_survive_kill_9_of_the_first_stage_the_last_stage_and_the_cpu_worker()
 /// Two streams that start from one cached prefix (their cells shared on
 /// every stage) survive kill -9 of the last stage: the recovery drops the
 /// prefix cache, says so, and each stream computes its prefix again in
-/// cells of its own before its log is replayed. Both finish. (A replayed
-/// prefix is computed in other steps than the cached one was, so tokens
-/// are not compared with a run without the crash; the synthetic model's
-/// random weights are full of near ties.)
+/// cells of its own before its log is replayed. Both finish with the
+/// tokens of a run without the crash, bit for bit: a deterministic
+/// cluster computes a prefix the same in a replay step of another shape.
 #[test]
 fn streams_sharing_a_cached_prefix_survive_kill_9_and_the_cache_is_dropped() {
     let c = cluster(&[]);
@@ -185,20 +180,14 @@ fn streams_sharing_a_cached_prefix_survive_kill_9_and_the_cache_is_dropped() {
         p.extend_from_slice(tail);
         greedy(&p, n)
     };
+    let reqs = vec![with(&[3, 4], N_GEN), with(&[5, 6, 2], N_GEN)];
+    let want = clean_run(&c, reqs.clone());
     // The first request leaves the system prompt's two blocks cached.
     let first = start_streams(&c.addr, vec![with(&[7, 8, 9], 4)]);
     assert!(first.handle.join().unwrap()[0].is_ok());
-    let reqs = vec![with(&[3, 4], N_GEN), with(&[5, 6, 2], N_GEN)];
-    let streams = start_streams(&c.addr, reqs);
-    streams.wait_for(N_GEN / 4);
-    c.signal("w1", "-9");
-    let results = streams.handle.join().unwrap();
-    for (i, r) in results.iter().enumerate() {
-        let got = r
-            .as_ref()
-            .unwrap_or_else(|e| panic!("stream {i} failed: {e}\n{}", c.proc.log_text()));
-        assert_eq!(got.len(), N_GEN, "stream {i}");
-    }
+    run_through(&c, reqs, &want, "kill -9 w1 under a shared prefix", |c| {
+        c.signal("w1", "-9");
+    });
     let log = c.proc.log_text();
     assert!(
         log.contains("recovery dropped the prefix cache (")
@@ -211,25 +200,57 @@ fn streams_sharing_a_cached_prefix_survive_kill_9_and_the_cache_is_dropped() {
     assert_eq!(again.handle.join().unwrap()[0].as_ref().unwrap().len(), 2);
 }
 
-/// The same on a real model: Gemma 3 270M on three stages, the middle one
-/// killed.
+/// The same on a real model: Gemma 3 270M on three deterministic stages
+/// of 2 threads each, the middle one killed when the streams hold more
+/// than 512 KV cells (where ggml's own attention would split each decode
+/// row over the threads): every token and log-probability as without the
+/// crash.
 #[test]
-fn gemma_streams_survive_kill_9_of_a_middle_stage() {
+fn gemma_streams_survive_kill_9_of_a_middle_stage_bit_for_bit() {
     let c = supervised(
         &omni_tests::fixtures::model(omni_tests::fixtures::GEMMA),
-        &["--stages", "3", "--counts", "7,5,6"],
+        &[
+            "--stages",
+            "3",
+            "--counts",
+            "7,5,6",
+            "--threads",
+            "2",
+            "--deterministic",
+            "on",
+        ],
         &[],
     );
+    const N: usize = 192;
     let reqs: Vec<GenerateRequest> = omni_tests::short_prompts("real_gemma3_270m.json", 4)
         .iter()
-        .map(|p| greedy(p, 48))
+        .map(|p| GenerateRequest {
+            logprobs: true,
+            top_logprobs: 2,
+            ..greedy(p, N)
+        })
         .collect();
     let want = clean_run(&c, reqs.clone());
+    let cells = |c: &Supervised| {
+        let st = c.statuses();
+        st.iter().map(|s| s.kv_cells_used).max().unwrap_or(0)
+    };
+    let mut at_kill = 0;
     let stall = run_through(&c, reqs, &want, "kill -9 w1", |c| {
+        // Past 512 cells in use before the kill.
+        let t = Instant::now();
+        while cells(c) <= 512 {
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "the streams never held 512 cells"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        at_kill = cells(c);
         c.signal("w1", "-9");
     });
     eprintln!(
-        "Gemma 3, kill -9 of the middle stage: identical tokens, longest pause {:.2} s",
+        "Gemma 3, kill -9 of the middle stage at {at_kill} KV cells: identical tokens and log-probabilities, longest pause {:.2} s",
         stall.as_secs_f64()
     );
 }
@@ -376,7 +397,7 @@ fn a_constrained_answer_survives_kill_9_of_the_stage_that_holds_its_grammar() {
     use omni_proto::coordinator::v1::{Chat, ChatMessage};
     use omni_proto::worker::v1::{grammar::Kind, Grammar, Sampling};
     let qwen = omni_tests::fixtures::model(omni_tests::fixtures::QWEN);
-    let c = supervised(&qwen, &["--stages", "2"], &[]);
+    let c = supervised(&qwen, &["--stages", "2", "--deterministic", "on"], &[]);
     let schema = serde_json::json!({
         "type": "object",
         "properties": {"cities": {
@@ -412,7 +433,7 @@ fn a_constrained_answer_survives_kill_9_of_the_stage_that_holds_its_grammar() {
     let reqs = vec![ask("European"), ask("Asian")];
     let want = clean_run(&c, reqs.clone());
     let tok = omni_engine::tokenizer::Tokenizer::load(&qwen).unwrap();
-    for ids in &want {
+    for ids in &want.ids {
         let text = tok.decode(ids);
         let text = text
             .trim_end_matches("<|im_end|>")
@@ -426,14 +447,14 @@ fn a_constrained_answer_survives_kill_9_of_the_stage_that_holds_its_grammar() {
             .iter()
             .all(|c| c["name"].is_string() && c["country"].is_string()));
     }
-    let total: usize = want.iter().map(Vec::len).sum();
+    let total: usize = want.ids.iter().map(Vec::len).sum();
     let streams = start_streams(&c.addr, reqs);
     streams.wait_for(total / 4);
     c.signal("w1", "-9");
     let at = streams.progress.load(Ordering::Relaxed);
     let results = streams.handle.join().unwrap();
     assert!(at < total, "the kill came after the answers ({at} tokens)");
-    same_tokens(&results, &want, "kill -9 of the last stage");
+    same_tokens(&results, &want.ids, "kill -9 of the last stage");
     eprintln!("killed the last stage at {at} of {total} tokens: the same answers");
     let log = c.proc.log_text();
     assert!(log.contains("starting it again"), "{log}");
