@@ -30,6 +30,13 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
@@ -154,11 +161,7 @@ fn check_real(file: &str, fixture: &str) {
     for s in 0..N {
         assert_eq!(all[s].len(), alone[s].len());
         for (i, (a, b)) in alone[s].iter().zip(&all[s]).enumerate() {
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let worst = max_diff(a, b);
             assert!(
                 bits(a) == bits(b),
                 "{file}: sequence {s}, row {i}: batched differs from alone by up to {worst}"
@@ -419,11 +422,7 @@ fn moe_logits_do_not_depend_on_the_batch() {
         let split = together(&mut offloaded_steps(&mut stage, &mut experts), &prompts, 32);
         for s in 0..N {
             for (i, (a, b)) in alone[s].iter().zip(&split[s]).enumerate() {
-                let worst = a
-                    .iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
+                let worst = max_diff(a, b);
                 // Offloaded experts sum in another order; the point is
                 // that the order does not depend on the batch, checked
                 // next.

@@ -137,7 +137,7 @@ impl Hidden {
                 .collect()
         } else {
             body.chunks_exact(2)
-                .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .map(|c| ggml::f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
                 .collect()
         };
         Ok(Hidden {
@@ -146,25 +146,6 @@ impl Hidden {
             data,
         })
     }
-}
-
-/// IEEE half to single (exact; every f16 is an f32).
-pub(super) fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h >> 15) as u32) << 31;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let man = (h & 0x3ff) as u32;
-    let bits = match (exp, man) {
-        (0, 0) => sign,
-        (0, m) => {
-            // Subnormal: normalise.
-            let shift = m.leading_zeros() - 21;
-            sign | ((127 - 15 + 1 - shift) << 23) | (((m << shift) & 0x3ff) << 13)
-        }
-        (31, 0) => sign | 0x7f80_0000,
-        (31, m) => sign | 0x7f80_0000 | (m << 13),
-        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
-    };
-    f32::from_bits(bits)
 }
 
 /// Logits of the tokens that asked for them, in batch order.
@@ -206,7 +187,7 @@ mod tests {
         let mut h = Vec::new();
         ggml::f32_to_f16(&vals, &mut h);
         for (v, h) in vals.iter().zip(&h) {
-            assert_eq!(f16_to_f32(*h), *v, "{v}");
+            assert_eq!(ggml::f16_to_f32(*h), *v, "{v}");
         }
     }
 

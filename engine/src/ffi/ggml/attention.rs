@@ -25,7 +25,7 @@
 //! properties; the dot products use AVX2/FMA/F16C where the CPU has them,
 //! chosen at run time (never compiled for the building machine).
 
-use super::{sys, Ctx, Tensor, TYPE_F32};
+use super::{f16_to_f32, sys, Ctx, Tensor, TYPE_F32};
 use std::ffi::{c_int, c_void};
 
 /// Cells per chunk of the online softmax.
@@ -238,25 +238,6 @@ impl Kernels {
             }
         })
     }
-}
-
-/// F16 bits to F32, exactly (IEEE half: subnormals, infinities, NaN).
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h >> 15) as u32) << 31;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let frac = (h & 0x3ff) as u32;
-    let bits = match (exp, frac) {
-        (0, 0) => sign,
-        (0, f) => {
-            // Subnormal: normalise.
-            let shift = f.leading_zeros() - 21;
-            let f = (f << shift) & 0x3ff;
-            sign | ((127 - 15 + 1 - shift) << 23) | (f << 13)
-        }
-        (0x1f, f) => sign | 0x7f80_0000 | (f << 13),
-        (e, f) => sign | ((e + 127 - 15) << 23) | (f << 13),
-    };
-    f32::from_bits(bits)
 }
 
 /// Portable loops: one accumulator, in index order.

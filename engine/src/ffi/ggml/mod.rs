@@ -92,6 +92,25 @@ pub fn f32_to_f16(src: &[f32], dst: &mut Vec<u16>) {
     unsafe { sys::ggml_fp32_to_fp16_row(src.as_ptr(), dst.as_mut_ptr(), src.len() as i64) };
 }
 
+/// IEEE half to single, exactly (every f16 is an f32: subnormals,
+/// infinities and NaN included).
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalise.
+            let shift = m.leading_zeros() - 21;
+            sign | ((127 - 15 + 1 - shift) << 23) | (((m << shift) & 0x3ff) << 13)
+        }
+        (31, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
 /// A ggml context: an arena for tensor metadata (never data: always `no_alloc`).
 pub struct Ctx {
     raw: NonNull<sys::ggml_context>,
