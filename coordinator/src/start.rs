@@ -505,7 +505,6 @@ pub(crate) fn scheduler_config(cfg: &CoordinatorConfig, n_groups: usize) -> Sche
         max_queue: cfg.max_queue,
         prefix_cache: (cfg.prefix_cache == crate::Switch::On)
             .then(|| cfg.prefix_cache_size.unwrap_or(cfg.ctx * cfg.seqs)),
-        deterministic: cfg.deterministic,
     }
 }
 

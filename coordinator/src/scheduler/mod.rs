@@ -151,8 +151,6 @@ pub struct SchedulerConfig {
     /// The prefix cache, if on: the most KV cells it keeps that no running
     /// sequence uses.
     pub prefix_cache: Option<usize>,
-    /// Which steps are batch-invariant (`Step.invariant`).
-    pub deterministic: crate::Determinism,
 }
 
 struct Seq {
