@@ -87,6 +87,8 @@ impl PrefixMetrics {
 
 pub struct Metrics {
     pub steps: Counter<u64, AtomicU64>,
+    /// Steps sent batch-invariant (`--deterministic`).
+    pub invariant_steps: Counter<u64, AtomicU64>,
     pub tokens_in: Counter<u64, AtomicU64>,
     pub tokens_out: Counter<u64, AtomicU64>,
     pub queue_depth: Gauge<i64>,
@@ -159,6 +161,12 @@ impl Metrics {
         let mixed_step_prompt_tokens = Histogram::new(exponential_buckets(1.0, 2.0, 14));
         let mut r = Registry::with_prefix("omni_coordinator");
         r.register("steps", "Pipeline steps sent", steps.clone());
+        let invariant_steps = Counter::default();
+        r.register(
+            "invariant_steps",
+            "Pipeline steps sent batch-invariant (deterministic requests)",
+            invariant_steps.clone(),
+        );
         r.register(
             "tokens_in",
             "Tokens fed to the pipeline (prompt and generated)",
@@ -215,6 +223,7 @@ impl Metrics {
         Metrics {
             prefix,
             steps,
+            invariant_steps,
             tokens_in,
             tokens_out,
             queue_depth,

@@ -190,7 +190,13 @@ fn a_deterministic_request_beside_others_equals_itself_alone() {
     let _g = serial();
     let mut spec = ClusterSpec::new(2, "shm");
     spec.threads = 2;
-    spec.coordinator_args = vec!["--deterministic".into(), "request".into()];
+    let metrics = format!("127.0.0.1:{}", omni_tests::free_port());
+    spec.coordinator_args = vec![
+        "--deterministic".into(),
+        "request".into(),
+        "--metrics-listen".into(),
+        metrics.clone(),
+    ];
     let cluster = Cluster::start(&model(QWEN), &spec);
     let det = GenerateRequest {
         top_logprobs: 2,
@@ -202,19 +208,43 @@ fn a_deterministic_request_beside_others_equals_itself_alone() {
     let want = alone.handle.join().unwrap().remove(0).unwrap();
     let want_bits = alone.logprobs.lock().unwrap()[0].clone();
     let mut reqs = vec![det];
-    reqs.extend(prompts[1..].iter().map(|p| greedy(p, N_GEN)));
+    // The others go on after it: their last steps carry no deterministic
+    // request.
+    reqs.extend(prompts[1..].iter().map(|p| greedy(p, 2 * N_GEN)));
     let streams = omni_tests::start_streams(&cluster.addr, reqs);
     let got = streams.handle.join().unwrap();
     for (i, r) in got.iter().enumerate() {
         let r = r
             .as_ref()
             .unwrap_or_else(|e| panic!("request {i}: {e}\n{}", cluster.logs()));
-        assert_eq!(r.len(), N_GEN, "request {i}");
+        assert_eq!(
+            r.len(),
+            if i == 0 { N_GEN } else { 2 * N_GEN },
+            "request {i}"
+        );
     }
     assert_eq!(got[0].as_ref().unwrap(), &want, "tokens differ from alone");
     assert!(
         streams.logprobs.lock().unwrap()[0] == want_bits,
         "log-probabilities differ from alone"
+    );
+    // Only the steps that carried it ran invariant: the others' last ones
+    // did not.
+    let (status, body) = omni_tests::http(&metrics, "GET", "/metrics", &[], b"");
+    assert_eq!(status, 200);
+    let value = |name: &str| -> u64 {
+        body.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
+    };
+    let (all, invariant) = (
+        value("omni_coordinator_steps_total"),
+        value("omni_coordinator_invariant_steps_total"),
+    );
+    assert!(
+        invariant >= 2 * N_GEN as u64 && invariant < all,
+        "{invariant} of {all} steps ran invariant"
     );
 }
 

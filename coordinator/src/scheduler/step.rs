@@ -213,6 +213,7 @@ impl Scheduler {
         }
         let freed = step.remove.clone();
         let n_tokens = step.tokens.len() as u64;
+        let invariant = step.invariant;
         let frame = Frame {
             meta: step.encode_to_vec(),
             payload: Vec::new(),
@@ -223,6 +224,9 @@ impl Scheduler {
         }
         self.free_slots.extend(freed);
         self.metrics.steps.inc();
+        if invariant {
+            self.metrics.invariant_steps.inc();
+        }
         self.metrics.tokens_in.inc_by(n_tokens);
         match group {
             Some((g, f)) => {
