@@ -449,7 +449,7 @@ fn moe_layers_move_with_their_routes_to_the_expert_worker() {
             .collect()
     };
     assert_eq!(offloaded(&c), ["1", "2-3"]);
-    const N: usize = 400;
+    const N: usize = 800;
     // Three streams (this random-weight model is full of near ties: only a
     // deterministic cluster gives them their tokens alone).
     let reqs = vec![
