@@ -399,6 +399,17 @@ mod tests {
         }
     }
 
+    /// Values in [-1, 1), the same for a seed (xorshift).
+    fn uniform(seed: u64) -> impl FnMut() -> f32 {
+        let mut state = seed;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
+        }
+    }
+
     /// Two sequences whose cells are interleaved out of position order in
     /// a cache of 40 cells, GQA (4 query heads over 2), a window for one
     /// check: the op against a plain f64 softmax, and against ggml's flash
@@ -407,13 +418,7 @@ mod tests {
     fn the_op_computes_attention_over_each_tokens_cells() {
         use super::super::{row_size, Buffer, CpuBackend, GraphAllocator, TensorStore, TYPE_F16};
         let (dk, dv, n_head, n_kv_head, n_cells) = (64usize, 48usize, 4usize, 2usize, 40usize);
-        let mut state = 99u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
-        };
+        let mut next = uniform(99);
         // Cell c holds (seq, pos): seq 0 in even cells backwards, seq 1 in odd ones.
         let cell_of = |seq: usize, pos: usize| {
             if seq == 0 {
@@ -560,13 +565,7 @@ mod tests {
 
     #[test]
     fn the_kernels_agree_with_the_plain_loops() {
-        let mut state = 12345u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
-        };
+        let mut next = uniform(12345);
         let k = Kernels::get();
         for n in [1, 7, 8, 31, 32, 33, 64, 80, 100, 576] {
             let q: Vec<f32> = (0..n).map(|_| next()).collect();
