@@ -401,10 +401,8 @@ fn compute_loop(
                 stats
                     .tokens
                     .fetch_add(req.n_tokens as u64, Ordering::Relaxed);
-                let run = stage
-                    .set_batch_invariant(req.invariant)
-                    .and_then(|()| stage.run(req.layer, &req.x, &req.ids, &req.weights));
-                match run {
+                stage.set_batch_invariant(req.invariant);
+                match stage.run(req.layer, &req.x, &req.ids, &req.weights) {
                     Ok(v) => (encode_reply(req.id, req.layer, Ok(&v)), true),
                     Err(e) => (encode_reply(req.id, req.layer, Err(&e.to_string())), false),
                 }

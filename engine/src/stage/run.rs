@@ -140,9 +140,7 @@ impl Stage {
         }
         let n_kv = self.kv.n_kv();
         let has_layers = !self.range.layers.is_empty();
-        self.exec
-            .set_batch_invariant(batch.invariant)
-            .map_err(EngineError::CpuBackend)?;
+        self.exec.set_batch_invariant(batch.invariant);
         let in_order = (batch.invariant && has_layers).then(|| {
             let window = hp.swa.as_ref().map(|s| s.window);
             self.kv

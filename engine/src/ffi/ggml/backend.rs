@@ -201,7 +201,13 @@ pub(super) fn computed(st: sys::ggml_status) -> Result<(), String> {
 /// The CPU compute backend with a fixed thread count.
 pub struct CpuBackend {
     pub(super) raw: NonNull<sys::ggml_backend>,
+    /// `ggml_backend_cpu_set_use_ref`, looked up once (every step sets it),
+    /// and what it was last set to.
+    set_use_ref: SetUseRef,
+    use_ref: bool,
 }
+
+type SetUseRef = unsafe extern "C" fn(sys::ggml_backend_t, bool);
 
 // SAFETY: a backend is used by one thread at a time (`&mut self` for compute).
 unsafe impl Send for CpuBackend {}
@@ -211,8 +217,13 @@ impl CpuBackend {
         let dev = cpu_device()?;
         // SAFETY: the CPU device's constructor takes no parameters.
         let raw = unsafe { sys::ggml_backend_dev_init(dev, ptr::null()) };
+        let f = cpu_proc(c"ggml_backend_cpu_set_use_ref")?;
+        // SAFETY: ggml-cpu.h declares `void ggml_backend_cpu_set_use_ref(ggml_backend_t, bool)`.
+        let set_use_ref = unsafe { std::mem::transmute::<*mut c_void, SetUseRef>(f) };
         let b = CpuBackend {
             raw: NonNull::new(raw).ok_or("the CPU backend could not start")?,
+            set_use_ref,
+            use_ref: false,
         };
         type SetThreads = unsafe extern "C" fn(sys::ggml_backend_t, i32);
         let f = cpu_proc(c"ggml_backend_set_n_threads")?;
@@ -234,14 +245,12 @@ impl CpuBackend {
     /// the number of rows (no tiled K-quant or llamafile kernels, whose
     /// arithmetic differs from `vec_dot` and which take over from 2 or 8
     /// rows), no fused ops, and flash attention's per-row path.
-    pub fn set_batch_invariant(&mut self, on: bool) -> Result<(), String> {
-        type SetRef = unsafe extern "C" fn(sys::ggml_backend_t, bool);
-        let f = cpu_proc(c"ggml_backend_cpu_set_use_ref")?;
-        // SAFETY: ggml-cpu.h declares `void ggml_backend_cpu_set_use_ref(ggml_backend_t, bool)`.
-        let set: SetRef = unsafe { std::mem::transmute::<*mut c_void, SetRef>(f) };
-        // SAFETY: valid CPU backend; the flag is read when a graph is planned.
-        unsafe { set(self.raw.as_ptr(), on) };
-        Ok(())
+    pub fn set_batch_invariant(&mut self, on: bool) {
+        if on != self.use_ref {
+            // SAFETY: valid CPU backend; the flag is read when a graph is planned.
+            unsafe { (self.set_use_ref)(self.raw.as_ptr(), on) };
+            self.use_ref = on;
+        }
     }
 
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<(), String> {
@@ -346,7 +355,7 @@ impl Executor {
     }
 
     /// See [`CpuBackend::set_batch_invariant`] (the CPU backend only).
-    pub fn set_batch_invariant(&mut self, on: bool) -> Result<(), String> {
+    pub fn set_batch_invariant(&mut self, on: bool) {
         self.cpu.set_batch_invariant(on)
     }
 
