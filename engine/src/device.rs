@@ -74,8 +74,35 @@ pub fn gpu_props(index: u32) -> Result<crate::ffi::device::GpuProps, crate::Engi
 /// `n_threads` CPU threads. Q4_K stands for the quantized weights this
 /// project's models are made of; the planner only compares these figures
 /// with each other.
+///
+/// It computes on a thread of its own, which ends before this returns. ggml
+/// runs a graph's threads as an OpenMP team, and the thread that starts a
+/// team keeps its helper threads parked for the rest of its life. The
+/// caller (a worker's `main`) is not the thread its stage computes on, so
+/// computing here would leave a second team behind, and while a process
+/// has more OpenMP threads than cores, libgomp cuts every barrier's spin
+/// short (its "throttled" spin): the stage's threads then sleep and wake at
+/// each of a step's few hundred barriers, and a 2-core worker decoded
+/// Gemma 3 270M 15-30% slower than the same stage alone in a process.
 #[cfg(feature = "ggml")]
 pub fn weight_read_rate(
+    device: Device,
+    n_threads: usize,
+    max_bytes: u64,
+) -> Result<f64, crate::EngineError> {
+    std::thread::scope(|s| {
+        s.spawn(|| timed_weight_reads(device, n_threads, max_bytes))
+            .join()
+            .unwrap_or_else(|_| {
+                Err(crate::EngineError::CpuBackend(
+                    "timing the weight reads panicked".into(),
+                ))
+            })
+    })
+}
+
+#[cfg(feature = "ggml")]
+fn timed_weight_reads(
     device: Device,
     n_threads: usize,
     max_bytes: u64,
