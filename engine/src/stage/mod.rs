@@ -20,6 +20,7 @@ use crate::device::Device;
 use crate::error::EngineError;
 use crate::ffi::device as ggml_device;
 use crate::ffi::ggml::Executor;
+use crate::ffi::ggml::GraphArena;
 use crate::kv::KvCache;
 use crate::kv::KvConfig;
 use crate::kv::KvLayers;
@@ -96,6 +97,11 @@ pub struct Stage {
     order: Vec<i32>,
     /// The KV cells the last step's tokens went into.
     last_cells: Vec<i64>,
+    /// Where each step's graphs are built, the same memory every step (so
+    /// that a GPU replays an unchanged step as one CUDA graph); the side
+    /// graph of an offloaded block has its own.
+    arena: GraphArena,
+    side_arena: GraphArena,
 }
 
 impl Stage {
@@ -202,6 +208,8 @@ impl Stage {
             mask_swa: Vec::new(),
             order: Vec::new(),
             last_cells: Vec::new(),
+            arena: GraphArena::default(),
+            side_arena: GraphArena::default(),
         };
         stage.reserve()?;
         Ok(stage)

@@ -13,8 +13,6 @@ use super::StageOutput;
 use crate::error::EngineError;
 use crate::experts::ExpertBatch;
 use crate::experts::ExpertExec;
-use crate::ffi::ggml;
-use crate::ffi::ggml::Ctx;
 use crate::ffi::ggml::Tensor;
 use std::sync::Arc;
 
@@ -169,7 +167,7 @@ impl Stage {
                 r.n_tokens = c.n_tokens;
                 r.side = c.shared.is_some();
             }
-            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let ctx = self.arena.ctx();
             // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
             let parts = GraphParts {
                 model: &self.model,
@@ -306,7 +304,7 @@ impl Stage {
         let has_side = hp.arch.has_shared_experts(hp, layer) || dev_width > 0;
         // The side graph takes its input before the routed experts'
         // input moves to the executor.
-        let side_ctx = Ctx::new(ggml::GRAPH_NODES, true);
+        let side_ctx = self.side_arena.ctx();
         let parts = GraphParts {
             model: &self.model,
             range: &self.range,

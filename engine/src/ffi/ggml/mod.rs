@@ -134,18 +134,31 @@ impl Ctx {
     /// A context with room for `n_tensors` tensor headers (and one graph of
     /// [`GRAPH_NODES`] nodes when `with_graph`).
     pub fn new(n_tensors: usize, with_graph: bool) -> Ctx {
-        init_logging();
+        // SAFETY: ggml allocates the arena itself (mem_buffer null).
+        unsafe { Self::init(ptr::null_mut(), Self::size(n_tensors, with_graph)) }
+    }
+
+    /// Bytes of metadata a context of `n_tensors` tensors (and a graph) needs.
+    fn size(n_tensors: usize, with_graph: bool) -> usize {
         // SAFETY: pure size queries.
         let mut size = n_tensors * unsafe { sys::ggml_tensor_overhead() };
         if with_graph {
             size += unsafe { sys::ggml_graph_overhead_custom(GRAPH_NODES, false) };
         }
+        size
+    }
+
+    /// # Safety
+    /// `mem` is null (ggml allocates `size` bytes itself), or `size` bytes,
+    /// 16-aligned, that nothing else uses while the context lives.
+    unsafe fn init(mem: *mut c_void, size: usize) -> Ctx {
+        init_logging();
         let params = sys::ggml_init_params {
             mem_size: size,
-            mem_buffer: ptr::null_mut(),
+            mem_buffer: mem,
             no_alloc: true,
         };
-        // SAFETY: ggml allocates the arena itself (mem_buffer null).
+        // SAFETY: the caller's contract.
         let raw = unsafe { sys::ggml_init(params) };
         Ctx {
             raw: NonNull::new(raw).expect("ggml_init: out of memory"),
@@ -198,6 +211,60 @@ impl Ctx {
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_context {
         self.raw.as_ptr()
+    }
+}
+
+/// Memory for a stage's step graphs, kept from one step to the next.
+///
+/// ggml's CUDA backend replays a graph it has seen as one CUDA graph (one
+/// launch for the whole step instead of one per kernel; on a fast GPU the
+/// launches are most of a small model's decode time) only when every node
+/// matches the last time's, the addresses of its tensor headers included.
+/// A context in fresh heap memory every step puts them elsewhere; built in
+/// the same memory, the same step is the same graph. Written for this,
+/// because the point is the addresses: no allocator crate promises them.
+pub struct GraphArena {
+    mem: Box<[ArenaBlock]>,
+}
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct ArenaBlock([u8; 64]);
+
+impl Default for GraphArena {
+    fn default() -> Self {
+        let blocks = Ctx::size(GRAPH_NODES, true).div_ceil(std::mem::size_of::<ArenaBlock>());
+        GraphArena {
+            mem: vec![ArenaBlock([0; 64]); blocks].into_boxed_slice(),
+        }
+    }
+}
+
+impl GraphArena {
+    /// A context of [`GRAPH_NODES`] tensors and a graph, as
+    /// `Ctx::new(GRAPH_NODES, true)`, in this memory (one at a time: the
+    /// borrow ends with the context).
+    pub fn ctx(&mut self) -> ArenaCtx<'_> {
+        let size = std::mem::size_of_val(&*self.mem);
+        ArenaCtx {
+            // SAFETY: `size` bytes, 64-aligned, borrowed mutably for as long
+            // as the context lives.
+            ctx: unsafe { Ctx::init(self.mem.as_mut_ptr() as *mut c_void, size) },
+            _mem: PhantomData,
+        }
+    }
+}
+
+/// A [`Ctx`] in a [`GraphArena`]'s memory.
+pub struct ArenaCtx<'a> {
+    ctx: Ctx,
+    _mem: PhantomData<&'a mut GraphArena>,
+}
+
+impl std::ops::Deref for ArenaCtx<'_> {
+    type Target = Ctx;
+    fn deref(&self) -> &Ctx {
+        &self.ctx
     }
 }
 
@@ -617,5 +684,35 @@ impl Graph<'_> {
     pub fn expand(&mut self, t: Tensor<'_>) {
         // SAFETY: valid graph and tensor from compatible contexts.
         unsafe { sys::ggml_build_forward_expand(self.raw.as_ptr(), t.raw.as_ptr()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same step built twice in a [`GraphArena`] puts every tensor
+    /// header at the same address, as ggml-cuda's CUDA-graph reuse needs,
+    /// and a context there holds thousands of nodes.
+    #[test]
+    fn an_arena_builds_the_same_graph_at_the_same_addresses() {
+        let build = |arena: &mut GraphArena| -> Vec<usize> {
+            let ctx = arena.ctx();
+            let mut graph = ctx.new_graph();
+            let mut x = ctx.new_tensor(TYPE_F32, &[8]);
+            let mut addrs = vec![x.raw.as_ptr() as usize];
+            for _ in 0..4000 {
+                x = ctx.scale(x, 0.5);
+                addrs.push(x.raw.as_ptr() as usize);
+            }
+            graph.expand(x);
+            addrs
+        };
+        let mut arena = GraphArena::default();
+        let first = build(&mut arena);
+        // Heap allocations in between must not move the next step's graph.
+        let noise: Vec<Vec<u8>> = (0..64).map(|i| vec![0u8; 4096 << (i % 8)]).collect();
+        assert_eq!(build(&mut arena), first);
+        drop(noise);
     }
 }
