@@ -81,6 +81,23 @@ pub fn llama_cpp_greedy(
     ffi::llama_ref::greedy(path, prompt, n_gen, n_threads).map_err(EngineError::Ggml)
 }
 
+/// [`llama_cpp_greedy`] with llama.cpp's layers and experts placed as
+/// `place` says (a GPU's share, `-ot exps=CPU`), to compare a split with
+/// llama.cpp's own run of the same split.
+#[cfg(feature = "ggml")]
+pub fn llama_cpp_greedy_placed(
+    path: &std::path::Path,
+    prompt: &[u32],
+    n_gen: usize,
+    n_threads: usize,
+    place: LlamaPlacement,
+) -> Result<Vec<(u32, Vec<f32>)>, EngineError> {
+    ffi::llama_ref::greedy_placed(path, prompt, n_gen, n_threads, place).map_err(EngineError::Ggml)
+}
+
+#[cfg(feature = "ggml")]
+pub use ffi::llama_ref::Placement as LlamaPlacement;
+
 /// Type ids for [`ggml_matmul_check`].
 pub use gguf::GgmlType;
 

@@ -8,6 +8,34 @@ use std::path::Path;
 
 use llama_cpp_sys_2 as sys;
 
+/// Where llama.cpp computes a reference run, when a GPU backend is loaded
+/// (without one everything is on the CPU whatever this says).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// llama.cpp's `--n-gpu-layers`: -1 every layer and the output, 0 none
+    /// (and no GPU at all, as `--device none`: with one beside it llama.cpp
+    /// still hands it work), `k` the last `k - 1` layers and the output.
+    pub n_gpu_layers: i32,
+    /// `-ot exps=CPU`: the routed experts (`ffn_*_exps`) stay in CPU memory
+    /// (in the CPU's repacked layout where it has one) and are computed there.
+    pub experts_on_cpu: bool,
+    /// Ops on weights in CPU memory may run on the GPU for large batches
+    /// (llama.cpp's default); off, they run where their weights are, as
+    /// omni's stages run them.
+    pub op_offload: bool,
+}
+
+impl Default for Placement {
+    /// llama.cpp's defaults: everything on the GPU.
+    fn default() -> Self {
+        Placement {
+            n_gpu_layers: -1,
+            experts_on_cpu: false,
+            op_offload: true,
+        }
+    }
+}
+
 /// Greedy-decodes `n_gen` tokens after `prompt` with llama.cpp (flash
 /// attention on, F16 KV cache, `n_threads` threads) and returns, per step,
 /// the chosen id and the full logits it was chosen from.
@@ -16,6 +44,17 @@ pub fn greedy(
     prompt: &[u32],
     n_gen: usize,
     n_threads: usize,
+) -> Result<Vec<(u32, Vec<f32>)>, String> {
+    greedy_placed(path, prompt, n_gen, n_threads, Placement::default())
+}
+
+/// [`greedy`] with the layers and experts placed as `place` says.
+pub fn greedy_placed(
+    path: &Path,
+    prompt: &[u32],
+    n_gen: usize,
+    n_threads: usize,
+    place: Placement,
 ) -> Result<Vec<(u32, Vec<f32>)>, String> {
     // llama.cpp computes with the CPU backend this process loaded (it loads
     // none itself while one is registered).
@@ -28,8 +67,28 @@ pub fn greedy(
     // SAFETY: llama.cpp's documented load / decode / free sequence; every
     // pointer is checked before use and freed on every path.
     unsafe {
-        let model =
-            sys::llama_model_load_from_file(c_path.as_ptr(), sys::llama_model_default_params());
+        let mut mp = sys::llama_model_default_params();
+        mp.n_gpu_layers = place.n_gpu_layers;
+        // The pattern llama.cpp's `-ot exps=CPU` takes; the list ends with nulls.
+        let overrides = [
+            sys::llama_model_tensor_buft_override {
+                pattern: c"_exps".as_ptr(),
+                buft: sys::ggml_backend_cpu_buffer_type(),
+            },
+            sys::llama_model_tensor_buft_override {
+                pattern: std::ptr::null(),
+                buft: std::ptr::null_mut(),
+            },
+        ];
+        if place.experts_on_cpu {
+            mp.tensor_buft_overrides = overrides.as_ptr();
+        }
+        // An empty (null-terminated) device list: the CPU alone.
+        let mut no_devices: [sys::ggml_backend_dev_t; 1] = [std::ptr::null_mut()];
+        if place.n_gpu_layers == 0 {
+            mp.devices = no_devices.as_mut_ptr();
+        }
+        let model = sys::llama_model_load_from_file(c_path.as_ptr(), mp);
         if model.is_null() {
             return Err(format!("llama.cpp could not load {}", path.display()));
         }
@@ -40,6 +99,7 @@ pub fn greedy(
         cp.n_threads = n_threads as i32;
         cp.n_threads_batch = n_threads as i32;
         cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
+        cp.op_offload = place.op_offload;
         let ctx = sys::llama_init_from_model(model, cp);
         if ctx.is_null() {
             sys::llama_model_free(model);
