@@ -313,12 +313,13 @@ pub(crate) async fn wire(
         let st = &plan.stages[i];
         let lr = &replies[i];
         tracing::info!(
-            "stage {i}: worker {} runs {} ({} weights, {} KV, {} compute), output over {}",
+            "stage {i}: worker {} runs {} ({} weights, {} KV, {} compute of the {} planned), output over {}",
             w.id,
             st.range,
             omni_engine::fmt_bytes(lr.weight_bytes),
             omni_engine::fmt_bytes(lr.kv_bytes),
             omni_engine::fmt_bytes(lr.compute_bytes),
+            omni_engine::fmt_bytes(st.bytes.compute),
             r.transport
         );
         for (route, how) in routes.iter().zip(&r.expert_transports) {

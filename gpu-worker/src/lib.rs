@@ -572,6 +572,16 @@ impl Worker {
             .as_ref()
             .map_or(1, |m| m.n_expert_used as usize);
         let model_arc = model.clone();
+        // A GPU's free memory before and after, beside what the stage
+        // counts: CUDA's context and cuBLAS's workspace are outside it.
+        let free = || {
+            cfg.device
+                .is_gpu()
+                .then(|| inventory::memory_now(&self.inventory.device, None, 0))
+                .flatten()
+                .map(|(_, free)| free)
+        };
+        let free_before = free();
         let stage = Stage::load_offloaded(model, range.clone(), cfg.clone(), &req.offloaded)
             .map_err(|e| Status::from(WorkerError::refused(format!("worker {}: {e}", self.id))))?;
         if !req.offloaded.is_empty() {
@@ -581,10 +591,14 @@ impl Worker {
             );
         }
         let hp = &stage.model().hparams;
+        let w = stage.weights();
         let reply_bytes = (
-            stage.weights().mapped_bytes + stage.weights().repacked_bytes,
+            w.mapped_bytes + w.repacked_bytes,
             cfg.kv.bytes(hp, range.layers.len()),
             stage.compute_bytes() as u64,
+            // On a GPU: the weights there and its part of the compute buffer.
+            if w.on_device { w.repacked_bytes } else { 0 },
+            stage.compute_bytes_split().0 as u64,
         );
         // Room for a few full micro-batches of f32 hidden state in flight.
         let frame = 64 * 1024 + cfg.n_ubatch * n_embd * 4;
@@ -625,6 +639,17 @@ impl Worker {
         st.expert_ring = omni_transport::experts::ring_bytes(cfg.n_ubatch, n_embd, n_used);
         let secs = t.elapsed().as_secs_f64();
         tracing::info!("loaded {range} in {secs:.2}s");
+        if let (Some(before), Some(after)) = (free_before, free()) {
+            tracing::info!(
+                "{}: its free memory fell by {} in the load; the stage counts {} there ({} weights, {} KV, {} compute)",
+                self.inventory.device,
+                omni_engine::fmt_bytes(before.saturating_sub(after)),
+                omni_engine::fmt_bytes(reply_bytes.3 + reply_bytes.1 + reply_bytes.4),
+                omni_engine::fmt_bytes(reply_bytes.3),
+                omni_engine::fmt_bytes(reply_bytes.1),
+                omni_engine::fmt_bytes(reply_bytes.4),
+            );
+        }
         Ok(LoadReply {
             weight_bytes: reply_bytes.0,
             kv_bytes: reply_bytes.1,

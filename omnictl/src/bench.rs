@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use omni_engine::{Batch, Engine, StageConfig};
+use omni_engine::{fmt_bytes, Batch, Engine, StageConfig};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -64,7 +64,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         ..StageConfig::default()
     };
     let cpu = omni_engine::cpu_backend(a.cpu_variant.as_deref())?;
-    let mut engine = Engine::load(&path, None, cfg)?;
+    let gpu_free = || match a.device {
+        omni_engine::Device::Cuda(i) => omni_engine::device::gpu_props(i)
+            .ok()
+            .map(|p| p.memory_free),
+        omni_engine::Device::Cpu => None,
+    };
+    let free_before = gpu_free();
+    let mut engine = Engine::load(&path, None, cfg.clone())?;
+    let free_loaded = gpu_free();
     let hp = engine.model.hparams.clone();
     eprintln!(
         "omnictl bench: {} ({}), {} threads",
@@ -75,10 +83,16 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     eprintln!("ggml CPU backend: {cpu}");
     let w = engine.stages()[0].weights();
     eprintln!(
-        "weights: {} MB mapped, {} MB repacked",
+        "weights: {} MB mapped, {} MB {}",
         w.mapped_bytes >> 20,
-        w.repacked_bytes >> 20
+        w.repacked_bytes >> 20,
+        if w.on_device {
+            format!("in {}'s memory", a.device)
+        } else {
+            "repacked".into()
+        }
     );
+    let on_device = report_memory(&engine, &cfg);
 
     // Deterministic pseudo-random tokens, as llama-bench uses random ids.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -131,6 +145,15 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             reference: None,
         });
     }
+    if let (Some(before), Some(loaded), Some(after)) = (free_before, free_loaded, gpu_free()) {
+        eprintln!(
+            "{}: this process took {} of its memory loading and {} by the end of the runs; the stage counts {} of it (weights there, KV cache, compute buffer)",
+            a.device,
+            fmt_bytes(before.saturating_sub(loaded)),
+            fmt_bytes(before.saturating_sub(after)),
+            fmt_bytes(on_device)
+        );
+    }
     if let Some(lb) = &a.llama_bench {
         let reference = llama_bench(lb, &path, threads, &a)?;
         for row in &mut rows {
@@ -170,6 +193,43 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Prints the stage's compute buffer as ggml allocated it beside the
+/// planner's estimate of it; returns the bytes the stage holds on its
+/// device (weights there, KV cache, compute buffer; 0 on the CPU).
+fn report_memory(engine: &Engine, cfg: &StageConfig) -> u64 {
+    let st = &engine.stages()[0];
+    let hp = &engine.model.hparams;
+    let plan = omni_planner::PlanConfig {
+        n_ctx: cfg.kv.n_ctx,
+        n_seq: cfg.kv.n_seq,
+        n_ubatch: cfg.n_ubatch,
+        ..Default::default()
+    };
+    let estimate = omni_planner::compute_estimate(hp, st.range(), &plan);
+    let (device, host) = st.compute_bytes_split();
+    let real = (device + host) as u64;
+    let on = st.device();
+    eprintln!(
+        "compute buffer for a {}-token step over {} KV cells: {} allocated ({}); the planner's estimate {} ({:.2}x)",
+        cfg.n_ubatch,
+        cfg.kv.n_ctx * cfg.kv.n_seq,
+        fmt_bytes(real),
+        if on.is_gpu() {
+            format!("{} on {on}, {} pinned host", fmt_bytes(device as u64), fmt_bytes(host as u64))
+        } else {
+            "on the CPU".into()
+        },
+        fmt_bytes(estimate),
+        estimate as f64 / real.max(1) as f64
+    );
+    let w = st.weights();
+    if !on.is_gpu() {
+        return 0;
+    }
+    let weights = if w.on_device { w.repacked_bytes } else { 0 };
+    weights + st.kv().allocated_bytes() + device as u64
 }
 
 pub(crate) fn median(v: &mut [f64]) -> f64 {
@@ -217,7 +277,12 @@ fn llama_bench(
                 "-sm".to_string(),
                 "none".to_string(),
             ],
-            omni_engine::Device::Cpu => vec!["-ngl".to_string(), "0".to_string()],
+            // No device at all: with a GPU backend beside it, llama.cpp
+            // would otherwise compute a prompt's large matmuls there
+            // (op offload) even with no layer offloaded.
+            omni_engine::Device::Cpu => ["-ngl", "0", "-dev", "none", "-nopo", "1"]
+                .map(String::from)
+                .to_vec(),
         })
         .output()
         .with_context(|| format!("running {}", bin.display()))?;
