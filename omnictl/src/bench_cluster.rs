@@ -23,6 +23,10 @@ pub struct BenchClusterArgs {
     /// Compute threads of each worker (and of llama.cpp).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Where every stage worker computes: `cpu` or `cuda:N` (llama.cpp
+    /// then offloads every layer to that GPU).
+    #[arg(long, default_value = "cpu")]
+    pub device: omni_engine::Device,
     /// Tokens to decode per run.
     #[arg(long, default_value_t = 64)]
     pub tg: usize,
@@ -77,6 +81,10 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
     });
     let mut constrained: Option<(f64, f64, Vec<u32>)> = None;
 
+    if let omni_engine::Device::Cuda(i) = a.device {
+        // Loaded in this process, the CUDA backend is llama.cpp's too.
+        omni_engine::device::gpu_props(i)?;
+    }
     rows.push(llama_cpp_row(&path, &prompt, &a, threads)?);
 
     // MoE models also run with every routed expert on an expert worker.
@@ -96,6 +104,7 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             cpu_workers,
             experts: (cpu_workers > 0).then(|| "cpu".into()),
             admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+            device: vec![a.device],
             ..UpArgs::bench(&a.model, stages, transport, &listen, threads)
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
@@ -230,7 +239,7 @@ fn report(
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
-                "model": path, "threads_per_process": threads, "tg": a.tg, "runs": a.runs, "rows": v,
+                "model": path, "device": a.device, "threads_per_process": threads, "tg": a.tg, "runs": a.runs, "rows": v,
                 "json_schema": structured.map(|(tok_s, plain, mask)| serde_json::json!({
                     "config": "2 stages, shm", "decode_tok_s": tok_s, "unconstrained_tok_s": plain,
                     "vs_unconstrained": tok_s / plain, "mask_us_p50": mask.0, "mask_us_p99": mask.1,
@@ -241,8 +250,9 @@ fn report(
         return Ok(());
     }
     println!(
-        "model {} | {threads} thread(s) per process | decode {} tokens, median of {}",
+        "model {} | on {} | {threads} thread(s) per process | decode {} tokens, median of {}",
         path.display(),
+        a.device,
         a.tg,
         a.runs
     );
@@ -450,17 +460,29 @@ async fn decode_rate(
         ..Default::default()
     };
     let mut stream = c.generate(req).await?.into_inner();
-    let (mut first, mut last, mut ids) = (None, Instant::now(), Vec::new());
+    // The rate counts the tokens that came after the first message, over
+    // the time since it: tokens that came together in one message (a fast
+    // model outrunning the stream) share one arrival time.
+    let (mut first, mut last, mut ids, mut in_first) = (None, Instant::now(), Vec::new(), 0);
     while let Some(ev) = stream.next().await {
         let ev = ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-        for t in ev.tokens {
-            ids.push(t.id);
-            last = Instant::now();
-            first.get_or_insert(last);
+        if ev.tokens.is_empty() {
+            continue;
         }
+        last = Instant::now();
+        if first.is_none() {
+            first = Some(last);
+            in_first = ev.tokens.len();
+        }
+        ids.extend(ev.tokens.iter().map(|t| t.id));
     }
     let first = first.context("no tokens")?;
-    let rate = (ids.len() - 1) as f64 / (last - first).as_secs_f64().max(1e-9);
+    anyhow::ensure!(
+        ids.len() > in_first,
+        "all {} tokens came in one message: nothing to time a decode by (ask for more with --tg)",
+        ids.len()
+    );
+    let rate = (ids.len() - in_first) as f64 / (last - first).as_secs_f64().max(1e-9);
     Ok((rate, ids))
 }
 
