@@ -460,34 +460,54 @@ async fn decode_rate(
         ..Default::default()
     };
     let mut stream = c.generate(req).await?.into_inner();
-    // The rate counts the tokens that came after the first message, over
-    // the time since it: tokens that came together in one message (a fast
-    // model outrunning the stream) share one arrival time.
-    let (mut first, mut last, mut ids, mut in_first) = (None, Instant::now(), Vec::new(), 0);
+    let (mut arrivals, mut ids) = (Vec::new(), Vec::new());
     while let Some(ev) = stream.next().await {
         let ev = ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-        if ev.tokens.is_empty() {
-            continue;
+        if !ev.tokens.is_empty() {
+            arrivals.push((Instant::now(), ev.tokens.len()));
+            ids.extend(ev.tokens.iter().map(|t| t.id));
         }
-        last = Instant::now();
-        if first.is_none() {
-            first = Some(last);
-            in_first = ev.tokens.len();
-        }
-        ids.extend(ev.tokens.iter().map(|t| t.id));
     }
-    let first = first.context("no tokens")?;
+    Ok((rate_of(&arrivals)?, ids))
+}
+
+/// Decode tokens per second from when each message of a stream came and
+/// how many tokens it held: the tokens after the first message over the
+/// time since it. Tokens that came together (a fast model outrunning the
+/// stream) share one arrival time, so the first message's are not counted.
+fn rate_of(arrivals: &[(Instant, usize)]) -> anyhow::Result<f64> {
+    let (Some(&(first, in_first)), Some(&(last, _))) = (arrivals.first(), arrivals.last()) else {
+        anyhow::bail!("no tokens");
+    };
+    let after: usize = arrivals[1..].iter().map(|&(_, n)| n).sum();
     anyhow::ensure!(
-        ids.len() > in_first,
-        "all {} tokens came in one message: nothing to time a decode by (ask for more with --tg)",
-        ids.len()
+        after > 0,
+        "all {in_first} tokens came in one message: nothing to time a decode by (ask for more with --tg)"
     );
-    let rate = (ids.len() - in_first) as f64 / (last - first).as_secs_f64().max(1e-9);
-    Ok((rate, ids))
+    Ok(after as f64 / (last - first).as_secs_f64().max(1e-9))
 }
 
 pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rate_of;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_decode_rate_leaves_out_the_tokens_of_the_first_message() {
+        let t = Instant::now();
+        let s = Duration::from_secs(1);
+        // Five tokens at once, then three a second apart: 3 tokens in 3 s
+        // (counting the first message's would say 7 in 3 s).
+        let arrivals = [(t, 5), (t + s, 1), (t + 2 * s, 1), (t + 3 * s, 1)];
+        assert!((rate_of(&arrivals).unwrap() - 1.0).abs() < 1e-9);
+        let e = rate_of(&[(t, 8)]).unwrap_err().to_string();
+        assert!(e.contains("all 8 tokens came in one message"), "{e}");
+        assert!(rate_of(&[]).is_err());
+    }
 }
