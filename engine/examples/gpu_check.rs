@@ -17,13 +17,15 @@
 //! llama.cpp's logits of its pick and ours are within 0.25 of each other (a
 //! reduction order can flip such a tie; the engine tests use the same
 //! rule), or, for a MoE file in a setup that computes on both the GPU and
-//! the CPU, after at least one identical token (see `exact_reference`).
+//! the CPU, after at least one identical token (see `Setup::exact_reference`).
 //! Exits 1 on any other difference. It also prints what each GPU
 //! stage holds in GPU memory, and each generation's text (`text |` lines,
 //! which `scripts/gpu-check` compares with a cluster's answers).
 
 use omni_engine::stage::{Batch, LayerRange, StageConfig, StageOutput};
-use omni_engine::{Device, Engine, ExpertConfig, ExpertStage, LlamaPlacement, ModelFile, Stage};
+use omni_engine::{
+    fmt_bytes, Device, Engine, ExpertConfig, ExpertStage, LlamaPlacement, ModelFile, Stage,
+};
 
 const PROMPTS: [&str; 4] = [
     "The capital of France is",
@@ -45,49 +47,88 @@ const NEAR_TIE: f32 = 0.25;
 /// llama.cpp's greedy run of one prompt: each step's id and logits.
 type Reference = Vec<(u32, Vec<f32>)>;
 
-fn argmax(v: &[f32]) -> u32 {
-    omni_engine::sampling::greedy(v)
+/// The ways `gpu_check` runs a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Setup {
+    OneGpu,
+    TwoGpu,
+    /// A CPU stage, then a GPU stage with the head (llama.cpp's partial
+    /// offload puts the last layers on the GPU).
+    CpuGpu,
+    Cpu,
+    /// MoE files only: one GPU stage, its routed experts on the CPU.
+    GpuCpuExperts,
+    /// The same with two experts per layer kept on the GPU.
+    GpuCpuExpertsKept,
 }
 
-/// llama.cpp's run of the same placement as setup `name` (of a model of
-/// `n_layer` layers).
-fn placement(name: &str, n_layer: u32) -> LlamaPlacement {
-    let all = LlamaPlacement::default();
-    match name {
-        // `--n-gpu-layers k` offloads the output and the last k - 1 layers.
-        "CPU + GPU stages" => LlamaPlacement {
-            n_gpu_layers: (n_layer / 2 + 1) as i32,
-            op_offload: false,
-            ..all
-        },
-        "CPU only" => LlamaPlacement {
-            n_gpu_layers: 0,
-            op_offload: false,
-            ..all
-        },
-        "GPU, experts on CPU" | "GPU, experts on CPU, 2 kept on GPU" => LlamaPlacement {
-            experts_on_cpu: true,
-            op_offload: false,
-            ..all
-        },
-        _ => all,
+impl Setup {
+    const ALL: [Setup; 6] = [
+        Setup::OneGpu,
+        Setup::TwoGpu,
+        Setup::CpuGpu,
+        Setup::Cpu,
+        Setup::GpuCpuExperts,
+        Setup::GpuCpuExpertsKept,
+    ];
+
+    /// The name printed (and `--only` takes).
+    fn name(self) -> &'static str {
+        match self {
+            Setup::OneGpu => "1 GPU stage",
+            Setup::TwoGpu => "2 GPU stages",
+            Setup::CpuGpu => "CPU + GPU stages",
+            Setup::Cpu => "CPU only",
+            Setup::GpuCpuExperts => "GPU, experts on CPU",
+            Setup::GpuCpuExpertsKept => "GPU, experts on CPU, 2 kept on GPU",
+        }
     }
-}
 
-/// Whether llama.cpp's run of setup `name` computes every op on the same
-/// device, with the same kernels, as ours. Where a run uses both the GPU
-/// and the CPU, llama.cpp's scheduler gives the GPU every weightless op that
-/// leads to a GPU op (its "expand gpu up" pass): the residual adds after the
-/// last CPU layer run there (`GGML_SCHED_DEBUG=2` on the H200 showed
-/// `ffn_out` and `l_out` of that layer on CUDA0), where ggml-cuda fuses
-/// them with the next layer's norm, while our CPU stage adds them and our
-/// GPU stage norms its input alone; the same sums, rounded in another
-/// order. A dense model's logits then move a little (a near tie at most).
-/// A MoE model's expert selection is discontinuous: a router score that
-/// rounds across another picks another expert, and after identical tokens
-/// the logits may jump (a "routing flip", counted apart, not a failure).
-fn exact_reference(name: &str) -> bool {
-    matches!(name, "1 GPU stage" | "2 GPU stages" | "CPU only")
+    fn moe_only(self) -> bool {
+        matches!(self, Setup::GpuCpuExperts | Setup::GpuCpuExpertsKept)
+    }
+
+    /// llama.cpp's run of the same placement (for a model of `n_layer`
+    /// layers).
+    fn placement(self, n_layer: u32) -> LlamaPlacement {
+        let all = LlamaPlacement::default();
+        match self {
+            Setup::OneGpu | Setup::TwoGpu => all,
+            // `--n-gpu-layers k` offloads the output and the last k - 1 layers.
+            Setup::CpuGpu => LlamaPlacement {
+                n_gpu_layers: (n_layer / 2 + 1) as i32,
+                op_offload: false,
+                ..all
+            },
+            Setup::Cpu => LlamaPlacement {
+                n_gpu_layers: 0,
+                op_offload: false,
+                ..all
+            },
+            Setup::GpuCpuExperts | Setup::GpuCpuExpertsKept => LlamaPlacement {
+                experts_on_cpu: true,
+                op_offload: false,
+                ..all
+            },
+        }
+    }
+
+    /// Whether llama.cpp's run computes every op on the same device, with
+    /// the same kernels, as ours. Where a run uses both the GPU and the
+    /// CPU, llama.cpp's scheduler gives the GPU every weightless op that
+    /// leads to a GPU op (its "expand gpu up" pass): the residual adds after
+    /// the last CPU layer run there (`GGML_SCHED_DEBUG=2` on the H200 showed
+    /// `ffn_out` and `l_out` of that layer on CUDA0), where ggml-cuda fuses
+    /// them with the next layer's norm, while our CPU stage adds them and
+    /// our GPU stage norms its input alone; the same sums, rounded in
+    /// another order. A dense model's logits then move a little (a near tie
+    /// at most). A MoE model's expert selection is discontinuous: a router
+    /// score that rounds across another picks another expert, and after
+    /// identical tokens the logits may jump (a "routing flip", counted
+    /// apart, not a failure).
+    fn exact_reference(self) -> bool {
+        matches!(self, Setup::OneGpu | Setup::TwoGpu | Setup::Cpu)
+    }
 }
 
 /// One way of running the model.
@@ -141,7 +182,7 @@ fn greedy(r: &mut Runner, prompt: &[u32], steps: usize) -> anyhow::Result<Vec<u3
     let mut logits = r.step(prompt, 0)?;
     let mut out = Vec::with_capacity(steps);
     for i in 0..steps {
-        let t = argmax(&logits);
+        let t = omni_engine::sampling::greedy(&logits);
         out.push(t);
         if i + 1 == steps {
             break;
@@ -150,10 +191,6 @@ fn greedy(r: &mut Runner, prompt: &[u32], steps: usize) -> anyhow::Result<Vec<u3
     }
     r.remove_seq();
     Ok(out)
-}
-
-fn gib(b: u64) -> String {
-    omni_engine::fmt_bytes(b)
 }
 
 /// What each GPU stage of `r` holds, as the planner counts it and as ggml
@@ -169,27 +206,24 @@ fn print_memory(name: &str, r: &Runner) {
             "  memory | {name} | stage {i} {} on {}: weights {} on the device + {} mapped in host memory, KV {}, compute {} on the device + {} pinned host, kept experts {}",
             s.range(),
             s.device(),
-            gib(w.repacked_bytes),
-            gib(w.mapped_bytes),
-            gib(s.kv().allocated_bytes()),
-            gib(dev as u64),
-            gib(host as u64),
-            gib(s.device_expert_bytes()),
+            fmt_bytes(w.repacked_bytes),
+            fmt_bytes(w.mapped_bytes),
+            fmt_bytes(s.kv().allocated_bytes()),
+            fmt_bytes(dev as u64),
+            fmt_bytes(host as u64),
+            fmt_bytes(s.device_expert_bytes()),
         );
     }
 }
 
 fn load(
     path: &std::path::Path,
-    name: &str,
+    setup: Setup,
     device: Device,
     cfg: &StageConfig,
 ) -> anyhow::Result<Runner> {
     let model = ModelFile::open(path)?;
     let n = model.hparams.n_layer;
-    let half = [n / 2, n - n / 2];
-    // llama.cpp's partial offload puts the last layers on the GPU.
-    let cpu_first = [n - n / 2, n / 2];
     let engine = |split: Option<&[u32]>, devices: &[Device]| -> anyhow::Result<Runner> {
         Ok(Runner::Engine(Engine::load_on_devices(
             path,
@@ -199,12 +233,12 @@ fn load(
             &mut |_, _, _| {},
         )?))
     };
-    match name {
-        "1 GPU stage" => engine(None, &[device]),
-        "2 GPU stages" => engine(Some(&half), &[device, device]),
-        "CPU + GPU stages" => engine(Some(&cpu_first), &[Device::Cpu, device]),
-        "CPU only" => engine(None, &[Device::Cpu]),
-        "GPU, experts on CPU" | "GPU, experts on CPU, 2 kept on GPU" => {
+    match setup {
+        Setup::OneGpu => engine(None, &[device]),
+        Setup::TwoGpu => engine(Some(&[n / 2, n - n / 2]), &[device, device]),
+        Setup::CpuGpu => engine(Some(&[n - n / 2, n / 2]), &[Device::Cpu, device]),
+        Setup::Cpu => engine(None, &[Device::Cpu]),
+        Setup::GpuCpuExperts | Setup::GpuCpuExpertsKept => {
             let layers: Vec<u32> = (0..n)
                 .filter(|&il| model.expert_weight_bytes(il) > 0)
                 .collect();
@@ -214,7 +248,7 @@ fn load(
             };
             let mut stage =
                 Stage::load_offloaded(model.clone(), LayerRange::whole(n), stage_cfg, &layers)?;
-            if name.ends_with("kept on GPU") {
+            if setup == Setup::GpuCpuExpertsKept {
                 for &il in &layers {
                     stage.set_device_experts(il, &[0, 1])?;
                 }
@@ -233,7 +267,6 @@ fn load(
                 experts: Box::new(experts),
             })
         }
-        _ => unreachable!("a setup named in main"),
     }
 }
 
@@ -300,7 +333,7 @@ fn main() -> anyhow::Result<()> {
                 continue;
             }
         };
-        let moe = (0..model.hparams.n_layer).any(|il| model.expert_weight_bytes(il) > 0);
+        let moe = model.hparams.moe.is_some();
         let tokenizer = omni_engine::Tokenizer::load(path)?;
         let n_layer = model.hparams.n_layer;
         let prompts = PROMPTS
@@ -309,24 +342,19 @@ fn main() -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         // llama.cpp's run of each prompt, once per file and placement.
         let mut references: Vec<(LlamaPlacement, Vec<Reference>)> = Vec::new();
-        let mut setups = vec![
-            "1 GPU stage",
-            "2 GPU stages",
-            "CPU + GPU stages",
-            "CPU only",
-        ];
-        if moe {
-            setups.extend(["GPU, experts on CPU", "GPU, experts on CPU, 2 kept on GPU"]);
-        }
-        if let Some(only) = &only {
-            setups.retain(|s| only.iter().any(|o| o == s));
-        }
+        let setups = Setup::ALL.into_iter().filter(|s| {
+            (moe || !s.moe_only())
+                && only
+                    .as_ref()
+                    .is_none_or(|o| o.iter().any(|name| name == s.name()))
+        });
         let cfg = StageConfig {
             n_threads: threads,
             ..StageConfig::default()
         };
-        for name in setups {
-            let mut r = match load(path, name, device, &cfg) {
+        for setup in setups {
+            let name = setup.name();
+            let mut r = match load(path, setup, device, &cfg) {
                 Ok(r) => r,
                 Err(e) => {
                     errors += 1;
@@ -335,7 +363,7 @@ fn main() -> anyhow::Result<()> {
                 }
             };
             print_memory(name, &r);
-            let place = placement(name, n_layer);
+            let place = setup.placement(n_layer);
             if !references.iter().any(|(p, _)| *p == place) {
                 let mut runs = Vec::new();
                 for (_, prompt) in &prompts {
@@ -375,7 +403,7 @@ fn main() -> anyhow::Result<()> {
                         if gap <= NEAR_TIE {
                             ties += 1;
                             format!("same up to step {i}, then a near tie (gap {gap:.3})")
-                        } else if moe && i > 0 && !exact_reference(name) {
+                        } else if moe && i > 0 && !setup.exact_reference() {
                             flips += 1;
                             format!(
                                 "same up to step {i}, then {} vs llama.cpp's {want} (gap {gap:.3}): a routing flip, llama.cpp computes the ops at the device boundary elsewhere",

@@ -591,15 +591,12 @@ impl Worker {
             );
         }
         let hp = &stage.model().hparams;
-        let w = stage.weights();
         let reply_bytes = (
-            w.mapped_bytes + w.repacked_bytes,
+            stage.weights().mapped_bytes + stage.weights().repacked_bytes,
             cfg.kv.bytes(hp, range.layers.len()),
             stage.compute_bytes() as u64,
-            // On a GPU: the weights there and its part of the compute buffer.
-            if w.on_device { w.repacked_bytes } else { 0 },
-            stage.compute_bytes_split().0 as u64,
         );
+        let device_bytes = stage.device_bytes();
         // Room for a few full micro-batches of f32 hidden state in flight.
         let frame = 64 * 1024 + cfg.n_ubatch * n_embd * 4;
         let mut inbox = self.inbox.lock().unwrap();
@@ -641,13 +638,10 @@ impl Worker {
         tracing::info!("loaded {range} in {secs:.2}s");
         if let (Some(before), Some(after)) = (free_before, free()) {
             tracing::info!(
-                "{}: its free memory fell by {} in the load; the stage counts {} there ({} weights, {} KV, {} compute)",
+                "{}: its free memory fell by {} in the load; the stage counts {} there (weights, KV cache, compute buffer)",
                 self.inventory.device,
                 omni_engine::fmt_bytes(before.saturating_sub(after)),
-                omni_engine::fmt_bytes(reply_bytes.3 + reply_bytes.1 + reply_bytes.4),
-                omni_engine::fmt_bytes(reply_bytes.3),
-                omni_engine::fmt_bytes(reply_bytes.1),
-                omni_engine::fmt_bytes(reply_bytes.4),
+                omni_engine::fmt_bytes(device_bytes),
             );
         }
         Ok(LoadReply {

@@ -92,7 +92,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "repacked".into()
         }
     );
-    let on_device = report_memory(&engine, &cfg);
+    report_compute(&engine, &cfg);
 
     // Deterministic pseudo-random tokens, as llama-bench uses random ids.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -151,7 +151,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             a.device,
             fmt_bytes(before.saturating_sub(loaded)),
             fmt_bytes(before.saturating_sub(after)),
-            fmt_bytes(on_device)
+            fmt_bytes(engine.stages()[0].device_bytes())
         );
     }
     if let Some(lb) = &a.llama_bench {
@@ -196,9 +196,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
 }
 
 /// Prints the stage's compute buffer as ggml allocated it beside the
-/// planner's estimate of it; returns the bytes the stage holds on its
-/// device (weights there, KV cache, compute buffer; 0 on the CPU).
-fn report_memory(engine: &Engine, cfg: &StageConfig) -> u64 {
+/// planner's estimate of it.
+fn report_compute(engine: &Engine, cfg: &StageConfig) {
     let st = &engine.stages()[0];
     let hp = &engine.model.hparams;
     let plan = omni_planner::PlanConfig {
@@ -224,12 +223,6 @@ fn report_memory(engine: &Engine, cfg: &StageConfig) -> u64 {
         fmt_bytes(estimate),
         estimate as f64 / real.max(1) as f64
     );
-    let w = st.weights();
-    if !on.is_gpu() {
-        return 0;
-    }
-    let weights = if w.on_device { w.repacked_bytes } else { 0 };
-    weights + st.kv().allocated_bytes() + device as u64
 }
 
 pub(crate) fn median(v: &mut [f64]) -> f64 {

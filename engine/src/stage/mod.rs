@@ -353,6 +353,19 @@ impl Stage {
             + self.device_expert_bytes()
     }
 
+    /// Bytes this stage holds in its GPU's memory: the weights uploaded
+    /// there, the KV cache, the device's part of the compute buffer and the
+    /// experts kept there; 0 on the CPU.
+    pub fn device_bytes(&self) -> u64 {
+        if !self.exec.on_gpu() {
+            return 0;
+        }
+        self.weights.repacked_bytes
+            + self.kv.allocated_bytes()
+            + self.compute_bytes_split().0 as u64
+            + self.device_expert_bytes()
+    }
+
     /// Frees the KV cells of `seq` (all of them, or from position `from` on).
     pub fn remove_seq(&mut self, seq: u32, from: Option<i32>) {
         self.kv.remove_seq(seq, from);
