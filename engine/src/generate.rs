@@ -9,6 +9,7 @@ use std::time::Instant;
 use crate::constraint::Grammars;
 use crate::error::EngineError;
 use crate::model::ModelFile;
+use crate::prompt_cuts::PromptCuts;
 use crate::sampling::{top_logprobs, Sampler, SamplingParams, StopMatcher};
 use crate::stage::{
     Batch, Hidden, HiddenDtype, LayerRange, Logits, Stage, StageConfig, StageOutput,
@@ -29,6 +30,8 @@ pub struct Engine {
     grammars: Option<Grammars>,
     /// Every step batch-invariant (loaded with `StageConfig::deterministic`).
     invariant: bool,
+    /// Where prompts are cut into steps (see [`PromptCuts`]).
+    pub prompt_cuts: PromptCuts,
 }
 
 impl Engine {
@@ -92,6 +95,7 @@ impl Engine {
             hidden_bytes_moved: 0,
             grammars: None,
             invariant,
+            prompt_cuts: PromptCuts::default(),
         })
     }
 
@@ -144,7 +148,8 @@ impl Engine {
     }
 
     /// Feeds `tokens` of sequence `seq` from position `start` in chunks of
-    /// `n_ubatch`, and returns the logits after the last one.
+    /// `n_ubatch`, cut as [`Self::prompt_cuts`] says, and returns the logits
+    /// after the last one.
     pub fn prefill(
         &mut self,
         seq: u32,
@@ -155,17 +160,24 @@ impl Engine {
             return Err(EngineError::Config("cannot prefill an empty prompt".into()));
         }
         let mut last = Vec::new();
-        let chunk = self.n_ubatch();
-        for (c, part) in tokens.chunks(chunk).enumerate() {
+        let swa = self.model.hparams.swa.is_some();
+        let pieces = self.prompt_cuts.pieces(tokens.len(), self.n_ubatch(), swa);
+        let mut fed = 0;
+        for n in pieces {
             let mut b = Batch::default();
-            for (i, &t) in part.iter().enumerate() {
-                let p = start + c * chunk + i;
-                b.push(t, p as i32, seq, c * chunk + i + 1 == tokens.len());
+            for (i, &t) in tokens[fed..fed + n].iter().enumerate() {
+                b.push(
+                    t,
+                    (start + fed + i) as i32,
+                    seq,
+                    fed + i + 1 == tokens.len(),
+                );
             }
             let l = self.step(&b)?;
-            if let Some(row) = l.for_batch_index(part.len() - 1) {
+            if let Some(row) = l.for_batch_index(n - 1) {
                 last = row.to_vec();
             }
+            fed += n;
         }
         Ok(last)
     }

@@ -17,6 +17,7 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod notation;
+pub mod prompt_cuts;
 pub mod range;
 pub mod sampling;
 pub mod tools;
@@ -49,6 +50,7 @@ pub use generate::{Engine, GenerateOptions, Generation};
 pub use kv::{KvConfig, KvLayer, KvLayers};
 pub use model::{Arch, Hparams, ModelFile, SUPPORTED_ARCHITECTURES};
 pub use notation::{count, fmt_layers, parse_layers};
+pub use prompt_cuts::PromptCuts;
 pub use range::LayerRange;
 #[cfg(feature = "ggml")]
 pub use stage::{Batch, Hidden, HiddenDtype, Logits, Stage, StageConfig, StageOutput};
@@ -93,6 +95,21 @@ pub fn llama_cpp_greedy_placed(
     place: LlamaPlacement,
 ) -> Result<Vec<(u32, Vec<f32>)>, EngineError> {
     ffi::llama_ref::greedy_placed(path, prompt, n_gen, n_threads, place).map_err(EngineError::Ggml)
+}
+
+/// [`llama_cpp_greedy`] with the prompt decoded in `pieces` (lengths, one
+/// `llama_decode` each; see [`PromptCuts::pieces`]).
+#[cfg(feature = "ggml")]
+pub fn llama_cpp_greedy_in_pieces(
+    path: &std::path::Path,
+    prompt: &[u32],
+    pieces: &[usize],
+    n_gen: usize,
+    n_threads: usize,
+) -> Result<Vec<(u32, Vec<f32>)>, EngineError> {
+    let place = LlamaPlacement::default();
+    ffi::llama_ref::greedy_in_pieces(path, prompt, pieces, n_gen, n_threads, place)
+        .map_err(EngineError::Ggml)
 }
 
 #[cfg(feature = "ggml")]

@@ -19,7 +19,7 @@ mod common;
 
 use common::*;
 use omni_engine::sampling::greedy;
-use omni_engine::{Batch, Engine, StageConfig};
+use omni_engine::{Batch, Engine, PromptCuts, StageConfig};
 
 fn config(n_seq: usize) -> StageConfig {
     let mut cfg = StageConfig::default();
@@ -195,6 +195,17 @@ fn qwen2_split_in_two_matches_llama_cpp() {
 /// ids and logits to 0.01 on every fixture prompt, whole (and split, given
 /// a split).
 fn check_against_vendored(model_file: &str, fixture: &str, split: Option<&[u32]>) {
+    check_against_vendored_cut(model_file, fixture, split, PromptCuts::Ubatch);
+}
+
+/// [`check_against_vendored`] with our prompts cut as `cuts` says, and
+/// llama.cpp's decoded in the same pieces.
+fn check_against_vendored_cut(
+    model_file: &str,
+    fixture: &str,
+    split: Option<&[u32]>,
+    cuts: PromptCuts,
+) {
     const STEPS: usize = 24;
     let fx = json(fixture);
     let path = model(model_file);
@@ -202,11 +213,20 @@ fn check_against_vendored(model_file: &str, fixture: &str, split: Option<&[u32]>
     if let Some(split) = split {
         engines.push(Engine::load(&path, Some(split), config(1)).unwrap());
     }
+    for e in &mut engines {
+        e.prompt_cuts = cuts;
+    }
+    let (n_ubatch, swa) = (
+        engines[0].n_ubatch(),
+        engines[0].model.hparams.swa.is_some(),
+    );
     let mut worst = 0.0f32;
     for p in fx["prompts"].as_array().unwrap() {
         let id = p["id"].as_str().unwrap();
         let prompt = ids(&p["prompt_ids"]);
-        let reference = omni_engine::llama_cpp_greedy(&path, &prompt, STEPS, 2).unwrap();
+        let pieces = cuts.pieces(prompt.len(), n_ubatch, swa);
+        let reference =
+            omni_engine::llama_cpp_greedy_in_pieces(&path, &prompt, &pieces, STEPS, 2).unwrap();
         for engine in engines.iter_mut() {
             engine.remove_seq(0);
             let mut logits = engine.prefill(0, &prompt, 0).unwrap();
@@ -235,12 +255,26 @@ fn check_against_vendored(model_file: &str, fixture: &str, split: Option<&[u32]>
             }
         }
     }
-    eprintln!("{model_file}: {STEPS} steps x all prompts equal to vendored llama.cpp, max |logit diff| {worst:.2e}");
+    eprintln!("{model_file}: prompts cut as {cuts}: {STEPS} steps x all prompts equal to vendored llama.cpp, max |logit diff| {worst:.2e}");
 }
 
 #[test]
 fn gemma3_matches_vendored_llama_cpp() {
     check_against_vendored(GEMMA, "real_gemma3_270m.json", Some(&[5, 7, 6]));
+}
+
+/// Gemma 3 has sliding-window layers: cut as llama-server cuts its
+/// prompts (4 tokens before the end), against llama.cpp decoding the same
+/// pieces. The cut moves the logits by up to 0.2 from the whole prompt's
+/// (see `prompt_cuts.rs`), so this checks that we cut where we say.
+#[test]
+fn gemma3_cut_as_llama_server_matches_vendored_llama_cpp() {
+    check_against_vendored_cut(
+        GEMMA,
+        "real_gemma3_270m.json",
+        Some(&[5, 7, 6]),
+        PromptCuts::LlamaServer,
+    );
 }
 
 #[test]

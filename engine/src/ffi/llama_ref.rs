@@ -56,6 +56,25 @@ pub fn greedy_placed(
     n_threads: usize,
     place: Placement,
 ) -> Result<Vec<(u32, Vec<f32>)>, String> {
+    greedy_in_pieces(path, prompt, &[prompt.len()], n_gen, n_threads, place)
+}
+
+/// [`greedy_placed`] with the prompt decoded in `pieces` (their lengths, in
+/// order; they add up to the prompt's), one `llama_decode` each.
+pub fn greedy_in_pieces(
+    path: &Path,
+    prompt: &[u32],
+    pieces: &[usize],
+    n_gen: usize,
+    n_threads: usize,
+    place: Placement,
+) -> Result<Vec<(u32, Vec<f32>)>, String> {
+    if pieces.iter().sum::<usize>() != prompt.len() || pieces.contains(&0) {
+        return Err(format!(
+            "pieces {pieces:?} do not cut a prompt of {} tokens",
+            prompt.len()
+        ));
+    }
     // llama.cpp computes with the CPU backend this process loaded (it loads
     // none itself while one is registered).
     super::ggml::cpu()?;
@@ -109,10 +128,19 @@ pub fn greedy_placed(
         let mut out = Vec::with_capacity(n_gen);
         let mut tokens: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
         let mut result = Ok(());
+        // The prompt in its pieces, then one token a step.
+        let mut lens = pieces.to_vec();
         for _ in 0..n_gen {
-            let batch = sys::llama_batch_get_one(tokens.as_mut_ptr(), tokens.len() as i32);
-            if sys::llama_decode(ctx, batch) != 0 {
-                result = Err("llama_decode failed".to_string());
+            let mut at = 0;
+            for &n in &lens {
+                let batch = sys::llama_batch_get_one(tokens[at..].as_mut_ptr(), n as i32);
+                if sys::llama_decode(ctx, batch) != 0 {
+                    result = Err("llama_decode failed".to_string());
+                    break;
+                }
+                at += n;
+            }
+            if result.is_err() {
                 break;
             }
             let logits =
@@ -120,6 +148,7 @@ pub fn greedy_placed(
             let id = crate::sampling::greedy(&logits);
             out.push((id, logits));
             tokens = vec![id as i32];
+            lens = vec![1];
         }
         sys::llama_free(ctx);
         sys::llama_model_free(model);
