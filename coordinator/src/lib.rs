@@ -126,6 +126,13 @@ pub struct CoordinatorConfig {
     /// take whole `--ubatch` steps.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// Where a prompt is cut into steps, which moves logits a little:
+    /// `ubatch` (every --ubatch tokens, as llama.cpp's llama_decode) or
+    /// `llama-server` (also 4 and 4 + --ubatch tokens before the end for
+    /// models with sliding-window layers, as llama-server does by default).
+    /// See docs/llama-cpp.md.
+    #[arg(long, default_value_t = omni_engine::PromptCuts::Ubatch)]
+    pub prompt_cuts: omni_engine::PromptCuts,
     /// The prefix cache: a prompt starts from the KV cells of an earlier
     /// prompt with the same beginning and computes only the rest; finished
     /// prompts and answers stay cached until their cells are needed. It
@@ -388,7 +395,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
     let (recover_tx, recover_rx) = mpsc::unbounded_channel();
     let sched = Scheduler::new(
-        start::scheduler_config(&cfg, n_groups),
+        start::scheduler_config(&cfg, n_groups, model.hparams.swa.is_some()),
         tokenizer,
         outbox,
         metrics,

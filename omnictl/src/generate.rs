@@ -69,6 +69,13 @@ pub struct GenerateArgs {
     /// Context length (prompt + generated tokens).
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
+    /// Where the prompt is cut into steps, which moves logits a little:
+    /// `ubatch` (every --ubatch tokens, as llama.cpp's llama_decode) or
+    /// `llama-server` (also 4 and 4 + 512 tokens before the end for models
+    /// with sliding-window layers, as llama-server does by default). See
+    /// docs/llama-cpp.md.
+    #[arg(long, default_value_t = omni_engine::PromptCuts::Ubatch, conflicts_with = "coordinator")]
+    pub prompt_cuts: omni_engine::PromptCuts,
     /// Run as chained layer ranges of these sizes, e.g. `--split 9,15`.
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<u32>>,
@@ -162,6 +169,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
                 }
             }
         })?;
+    engine.prompt_cuts = a.prompt_cuts;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     eprintln!(
         "omnictl: loaded {} stage(s) in {:.0} ms",

@@ -124,7 +124,15 @@ impl Scheduler {
                 if s.group != g || remaining == 0 || decoding != decode_pass || budget == 0 {
                     continue;
                 }
-                let take = remaining.min(budget);
+                // A prompt stops at its cuts (a decoding sequence has one
+                // token left, which no cut stops).
+                let take = self.cfg.prompt_cuts.take(
+                    s.fed,
+                    s.tokens.len(),
+                    budget,
+                    self.cfg.n_ubatch,
+                    self.cfg.swa,
+                );
                 entries.push(Entry {
                     seq: *id,
                     from: s.fed,
