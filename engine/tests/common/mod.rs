@@ -381,3 +381,116 @@ pub fn greedy_ids_here(path: &std::path::Path, prompt: &[u32], fixture_ids: Vec<
         .map(|(t, _)| t)
         .collect()
 }
+
+// Files derived from the F32 fixtures.
+
+/// The keys and tensors of an all-F32 fixture.
+pub fn f32_fixture_of(file: &str) -> (Vec<(String, Value)>, Vec<F32Tensor>) {
+    f32_file(&synthetic(file))
+}
+
+/// The keys and tensors of an all-F32 file.
+pub fn f32_file(path: &std::path::Path) -> (Vec<(String, Value)>, Vec<F32Tensor>) {
+    let g = omni_engine::gguf::Gguf::open(path).unwrap();
+    let kvs = g.metadata().to_vec();
+    let tensors = g
+        .tensors()
+        .iter()
+        .map(|t| {
+            let data = g
+                .tensor_data(t)
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (t.name.clone(), t.dims.clone(), data)
+        })
+        .collect();
+    (kvs, tensors)
+}
+
+pub fn set_key(kvs: &mut Vec<(String, Value)>, key: &str, v: Value) {
+    match kvs.iter_mut().find(|(k, _)| k == key) {
+        Some(kv) => kv.1 = v,
+        None => kvs.push((key.to_string(), v)),
+    }
+}
+
+/// Expert 0 of a `[.., .., n_expert]` expert tensor, as a 2-D matrix.
+fn expert0(t: &F32Tensor) -> (Vec<u64>, Vec<f32>) {
+    let n = (t.1[0] * t.1[1]) as usize;
+    (vec![t.1[0], t.1[1]], t.2[..n].to_vec())
+}
+
+/// The fixture cut down to its expert 0 (`expert_count = expert_used_count
+/// = 1`, router of one row), as a `qwen3moe` file and as a dense `qwen3`
+/// file whose FFN is that expert. With one expert the router's softmax is 1
+/// and the renormalised weight is exactly 1, so both must give the same
+/// logits: the dense graph checked against the MoE graph that the fixtures
+/// check against llama.cpp.
+pub fn one_expert_files(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (kvs, tensors) = f32_fixture_of("tiny-qwen3moe-f32.gguf");
+    let mut moe_kvs = kvs.clone();
+    set_key(&mut moe_kvs, "qwen3moe.expert_count", Value::U32(1));
+    set_key(&mut moe_kvs, "qwen3moe.expert_used_count", Value::U32(1));
+    let mut moe_t = Vec::new();
+    let mut dense_t = Vec::new();
+    for t in &tensors {
+        let (name, dims, data) = t;
+        if name.ends_with("ffn_gate_inp.weight") {
+            moe_t.push((
+                name.clone(),
+                vec![dims[0], 1],
+                data[..dims[0] as usize].to_vec(),
+            ));
+        } else if name.contains("_exps.") {
+            let (d, x) = expert0(t);
+            moe_t.push((name.clone(), vec![d[0], d[1], 1], x.clone()));
+            dense_t.push((name.replace("_exps", ""), d, x));
+        } else {
+            moe_t.push(t.clone());
+            dense_t.push(t.clone());
+        }
+    }
+    let dense_kvs: Vec<(String, Value)> = kvs
+        .iter()
+        .filter(|(k, _)| !k.contains("expert"))
+        .map(|(k, v)| match (k.as_str(), k.strip_prefix("qwen3moe.")) {
+            ("general.architecture", _) => (k.clone(), Value::String("qwen3".into())),
+            ("qwen3moe.feed_forward_length", _) => {
+                ("qwen3.feed_forward_length".into(), Value::U32(128))
+            }
+            (_, Some(rest)) => (format!("qwen3.{rest}"), v.clone()),
+            _ => (k.clone(), v.clone()),
+        })
+        .collect();
+    let (moe, dense) = (dir.join("one-expert-qwen3moe.gguf"), dir.join("qwen3.gguf"));
+    write_gguf(&moe, &moe_kvs, &moe_t);
+    write_gguf(&dense, &dense_kvs, &dense_t);
+    (moe, dense)
+}
+
+/// The dense `qwen3` file of [`one_expert_files`] as a `llama` file: the
+/// same weights without the per-head Q/K norms (llama has none), so a
+/// llama graph on random weights that llama.cpp loads too.
+pub fn llama_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let (_, dense) = one_expert_files(dir);
+    let (kvs, tensors) = f32_file(&dense);
+    let kvs: Vec<(String, Value)> = kvs
+        .into_iter()
+        .map(|(k, v)| match (k.as_str(), k.strip_prefix("qwen3.")) {
+            ("general.architecture", _) => (k, Value::String("llama".into())),
+            (_, Some(rest)) => (format!("llama.{rest}"), v),
+            _ => (k, v),
+        })
+        .collect();
+    let tensors: Vec<F32Tensor> = tensors
+        .into_iter()
+        .filter(|(name, _, _)| {
+            !name.ends_with("attn_q_norm.weight") && !name.ends_with("attn_k_norm.weight")
+        })
+        .collect();
+    let path = dir.join("llama.gguf");
+    write_gguf(&path, &kvs, &tensors);
+    path
+}

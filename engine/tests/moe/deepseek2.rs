@@ -1,6 +1,6 @@
 //! deepseek2: the current MLA layout and the legacy attn_kv_b layout of the same weights.
 
-use super::derived::{f32_fixture_of, open_err, set_key};
+use super::derived::open_err;
 use super::qwen3moe::two_sequences_batched_follow_their_references;
 use super::*;
 

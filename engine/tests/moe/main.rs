@@ -12,7 +12,7 @@
 mod common;
 
 use common::*;
-use omni_engine::gguf::{Gguf, Value};
+use omni_engine::gguf::Value;
 use omni_engine::sampling::greedy;
 use omni_engine::{Batch, Engine, EngineError, ModelFile};
 
