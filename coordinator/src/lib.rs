@@ -395,7 +395,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
     let (recover_tx, recover_rx) = mpsc::unbounded_channel();
     let sched = Scheduler::new(
-        start::scheduler_config(&cfg, n_groups, model.hparams.swa.is_some()),
+        start::scheduler_config(&cfg, n_groups, &model.hparams),
         tokenizer,
         outbox,
         metrics,

@@ -495,19 +495,17 @@ pub(crate) fn read_rates(workers: &[Registered], sites: &[pipeline::Site]) -> Ha
         .collect()
 }
 
-/// `swa`: the model has sliding-window layers (where llama-server cuts its prompts).
 pub(crate) fn scheduler_config(
     cfg: &CoordinatorConfig,
     n_groups: usize,
-    swa: bool,
+    hp: &omni_engine::Hparams,
 ) -> SchedulerConfig {
     SchedulerConfig {
         n_ctx: cfg.ctx,
         n_seq: cfg.seqs,
         n_ubatch: cfg.ubatch,
         prefill_chunk: cfg.prefill_chunk,
-        prompt_cuts: cfg.prompt_cuts,
-        swa,
+        prompt_cuts: cfg.prompt_cuts.for_model(hp),
         n_groups,
         step_timeout: Duration::from_secs_f64(cfg.step_timeout),
         max_queue: cfg.max_queue,

@@ -160,8 +160,8 @@ impl Engine {
             return Err(EngineError::Config("cannot prefill an empty prompt".into()));
         }
         let mut last = Vec::new();
-        let swa = self.model.hparams.swa.is_some();
-        let pieces = self.prompt_cuts.pieces(tokens.len(), self.n_ubatch(), swa);
+        let cuts = self.prompt_cuts.for_model(&self.model.hparams);
+        let pieces = cuts.pieces(tokens.len(), self.n_ubatch());
         let mut fed = 0;
         for n in pieces {
             let mut b = Batch::default();

@@ -22,6 +22,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::model::Hparams;
+
 /// How a prompt is cut into steps besides every `n_ubatch` tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PromptCuts {
@@ -41,19 +43,23 @@ pub enum PromptCuts {
 const CHECKPOINT_TAIL: usize = 4;
 
 impl PromptCuts {
+    /// The cuts as they fall on the model `hp`: llama-server cuts only the
+    /// prompts of models with sliding-window layers, so for the others
+    /// `LlamaServer` is `Ubatch`.
+    pub fn for_model(self, hp: &Hparams) -> PromptCuts {
+        if hp.swa.is_some() {
+            self
+        } else {
+            PromptCuts::Ubatch
+        }
+    }
+
     /// How many prompt tokens the next step takes from position `fed` of a
     /// prompt of `n_prompt` tokens, given room for `budget`: as many as fit,
-    /// but no step crosses a cut. `swa`: the model has sliding-window layers.
-    pub fn take(
-        self,
-        fed: usize,
-        n_prompt: usize,
-        budget: usize,
-        n_ubatch: usize,
-        swa: bool,
-    ) -> usize {
+    /// but no step crosses a cut (see [`Self::for_model`]).
+    pub fn take(self, fed: usize, n_prompt: usize, budget: usize, n_ubatch: usize) -> usize {
         let mut take = n_prompt.saturating_sub(fed).min(budget);
-        if self == PromptCuts::LlamaServer && swa {
+        if self == PromptCuts::LlamaServer {
             for back in [CHECKPOINT_TAIL + n_ubatch, CHECKPOINT_TAIL] {
                 // llama-server ends a batch there only after adding a token
                 // to it: a cut at `fed` itself is none.
@@ -66,11 +72,11 @@ impl PromptCuts {
     }
 
     /// The steps a prompt of `n` tokens is prefilled in, alone, as lengths.
-    pub fn pieces(self, n: usize, n_ubatch: usize, swa: bool) -> Vec<usize> {
+    pub fn pieces(self, n: usize, n_ubatch: usize) -> Vec<usize> {
         let mut out = Vec::new();
         let mut fed = 0;
         while fed < n {
-            let k = self.take(fed, n, n_ubatch, n_ubatch, swa);
+            let k = self.take(fed, n, n_ubatch, n_ubatch);
             out.push(k);
             fed += k;
         }
@@ -108,26 +114,25 @@ mod tests {
     #[test]
     fn llama_server_cuts_sliding_window_prompts_before_their_end() {
         // As llama-server's batches for one prompt, n_ubatch 512.
-        assert_eq!(LlamaServer.pieces(8, 512, true), [4, 4]);
-        assert_eq!(LlamaServer.pieces(5, 512, true), [1, 4]);
-        assert_eq!(LlamaServer.pieces(4, 512, true), [4]);
-        assert_eq!(LlamaServer.pieces(400, 512, true), [396, 4]);
-        assert_eq!(LlamaServer.pieces(516, 512, true), [512, 4]);
-        assert_eq!(LlamaServer.pieces(517, 512, true), [1, 512, 4]);
-        assert_eq!(LlamaServer.pieces(1300, 512, true), [512, 272, 512, 4]);
-        // Models without sliding-window layers, and llama_decode's way.
-        assert_eq!(LlamaServer.pieces(1300, 512, false), [512, 512, 276]);
-        assert_eq!(Ubatch.pieces(1300, 512, true), [512, 512, 276]);
-        assert_eq!(Ubatch.pieces(8, 512, true), [8]);
+        assert_eq!(LlamaServer.pieces(8, 512), [4, 4]);
+        assert_eq!(LlamaServer.pieces(5, 512), [1, 4]);
+        assert_eq!(LlamaServer.pieces(4, 512), [4]);
+        assert_eq!(LlamaServer.pieces(400, 512), [396, 4]);
+        assert_eq!(LlamaServer.pieces(516, 512), [512, 4]);
+        assert_eq!(LlamaServer.pieces(517, 512), [1, 512, 4]);
+        assert_eq!(LlamaServer.pieces(1300, 512), [512, 272, 512, 4]);
+        // llama_decode's way.
+        assert_eq!(Ubatch.pieces(1300, 512), [512, 512, 276]);
+        assert_eq!(Ubatch.pieces(8, 512), [8]);
     }
 
     #[test]
     fn a_step_shared_with_others_stops_at_a_cut_too() {
         // 100 of 400 fed, room for 50: 50; room for 500: up to the cut at 396.
-        assert_eq!(LlamaServer.take(100, 400, 50, 512, true), 50);
-        assert_eq!(LlamaServer.take(100, 400, 500, 512, true), 296);
-        assert_eq!(LlamaServer.take(396, 400, 500, 512, true), 4);
-        assert_eq!(LlamaServer.take(400, 400, 500, 512, true), 0);
+        assert_eq!(LlamaServer.take(100, 400, 50, 512), 50);
+        assert_eq!(LlamaServer.take(100, 400, 500, 512), 296);
+        assert_eq!(LlamaServer.take(396, 400, 500, 512), 4);
+        assert_eq!(LlamaServer.take(400, 400, 500, 512), 0);
     }
 
     #[test]

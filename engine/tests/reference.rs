@@ -216,15 +216,13 @@ fn check_against_vendored_cut(
     for e in &mut engines {
         e.prompt_cuts = cuts;
     }
-    let (n_ubatch, swa) = (
-        engines[0].n_ubatch(),
-        engines[0].model.hparams.swa.is_some(),
-    );
+    let n_ubatch = engines[0].n_ubatch();
+    let model_cuts = cuts.for_model(&engines[0].model.hparams);
     let mut worst = 0.0f32;
     for p in fx["prompts"].as_array().unwrap() {
         let id = p["id"].as_str().unwrap();
         let prompt = ids(&p["prompt_ids"]);
-        let pieces = cuts.pieces(prompt.len(), n_ubatch, swa);
+        let pieces = model_cuts.pieces(prompt.len(), n_ubatch);
         let reference =
             omni_engine::llama_cpp_greedy_in_pieces(&path, &prompt, &pieces, STEPS, 2).unwrap();
         for engine in engines.iter_mut() {

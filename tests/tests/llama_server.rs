@@ -351,10 +351,6 @@ fn fixture_prompts(fixture: &str) -> Vec<Vec<u32>> {
     prompts
 }
 
-fn synthetic(file: &str) -> PathBuf {
-    fixtures::synthetic(file)
-}
-
 #[test]
 fn gemma3_cut_as_llama_server_matches_llama_server() {
     let p = fixtures::model(GEMMA);
@@ -409,7 +405,7 @@ fn llama_and_qwen3_match_llama_server() {
 
 #[test]
 fn qwen3moe_matches_llama_server() {
-    let p = synthetic("tiny-qwen3moe-q4_k_m.gguf");
+    let p = fixtures::synthetic("tiny-qwen3moe-q4_k_m.gguf");
     check(
         "qwen3moe",
         &p,
@@ -425,7 +421,7 @@ fn deepseek2_both_layouts_match_llama_server() {
     // BOS is id 0 in the deepseek2 fixtures.
     let prompts = random_prompts(512, Some(0));
     for layout in ["mla", "legacy"] {
-        let p = synthetic(&format!("tiny-deepseek2-{layout}-q4_k_m.gguf"));
+        let p = fixtures::synthetic(&format!("tiny-deepseek2-{layout}-q4_k_m.gguf"));
         check(
             &format!("deepseek2 {layout}"),
             &p,

@@ -142,10 +142,9 @@ pub struct SchedulerConfig {
     /// Most prompt tokens in a step that carries decode tokens (0: no
     /// bound but `n_ubatch`).
     pub prefill_chunk: usize,
-    /// Where prompts are cut into steps besides the budget.
+    /// Where prompts are cut into steps besides the budget (as they fall
+    /// on this model: `PromptCuts::for_model`).
     pub prompt_cuts: omni_engine::PromptCuts,
-    /// The model has sliding-window layers (for `prompt_cuts`).
-    pub swa: bool,
     pub n_groups: usize,
     /// A step with no answer for this long means the pipeline is stuck.
     pub step_timeout: Duration,

@@ -126,13 +126,10 @@ impl Scheduler {
                 }
                 // A prompt stops at its cuts (a decoding sequence has one
                 // token left, which no cut stops).
-                let take = self.cfg.prompt_cuts.take(
-                    s.fed,
-                    s.tokens.len(),
-                    budget,
-                    self.cfg.n_ubatch,
-                    self.cfg.swa,
-                );
+                let take =
+                    self.cfg
+                        .prompt_cuts
+                        .take(s.fed, s.tokens.len(), budget, self.cfg.n_ubatch);
                 entries.push(Entry {
                     seq: *id,
                     from: s.fed,
