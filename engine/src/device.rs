@@ -1,5 +1,8 @@
-//! Where a stage computes: `cpu`, or `cuda:N` (a GPU through ggml's CUDA
-//! backend, loaded at run time when `libggml-cuda.so` is beside the binaries).
+//! Where a stage computes: `cpu`, `cuda:N` (a GPU through ggml's CUDA
+//! backend, loaded at run time when `libggml-cuda.so` is beside the binaries)
+//! or `vulkan:N` (a GPU through ggml's Vulkan backend, `libggml-vulkan.so`:
+//! AMD and Intel GPUs, and Mesa's software driver lavapipe where there is no
+//! GPU at all).
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,11 +16,67 @@ pub enum Device {
     Cpu,
     /// CUDA's device N, numbered in PCI bus order as NVML numbers them.
     Cuda(u32),
+    /// Vulkan device N, as ggml's Vulkan backend numbers the devices it uses
+    /// (`GGML_VK_VISIBLE_DEVICES` picks and orders them; see
+    /// [`crate::ffi::device`]).
+    Vulkan(u32),
 }
 
 impl Device {
+    /// Whether a stage here computes on a device of a GPU backend (CUDA or
+    /// Vulkan: weights and KV cells in the device's memory), not the CPU's.
     pub fn is_gpu(&self) -> bool {
-        matches!(self, Device::Cuda(_))
+        self.gpu().is_some()
+    }
+
+    /// The GPU backend and its device number; `None` for the CPU.
+    pub fn gpu(&self) -> Option<(GpuBackend, u32)> {
+        match *self {
+            Device::Cpu => None,
+            Device::Cuda(i) => Some((GpuBackend::Cuda, i)),
+            Device::Vulkan(i) => Some((GpuBackend::Vulkan, i)),
+        }
+    }
+}
+
+/// A ggml GPU backend: a library beside the binaries, loaded on first use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GpuBackend {
+    Cuda,
+    Vulkan,
+}
+
+impl GpuBackend {
+    /// How devices of this backend are written (`cuda` in `cuda:0`).
+    pub fn prefix(self) -> &'static str {
+        match self {
+            GpuBackend::Cuda => "cuda",
+            GpuBackend::Vulkan => "vulkan",
+        }
+    }
+
+    /// The backend's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuBackend::Cuda => "CUDA",
+            GpuBackend::Vulkan => "Vulkan",
+        }
+    }
+
+    /// The library's file name, beside the binaries.
+    pub fn library(self) -> &'static str {
+        match self {
+            GpuBackend::Cuda => "libggml-cuda.so",
+            GpuBackend::Vulkan => "libggml-vulkan.so",
+        }
+    }
+
+    /// The script that builds the library.
+    pub fn build_script(self) -> &'static str {
+        match self {
+            GpuBackend::Cuda => "scripts/build-cuda",
+            GpuBackend::Vulkan => "scripts/build-vulkan",
+        }
     }
 }
 
@@ -26,6 +85,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
+            Device::Vulkan(i) => write!(f, "vulkan:{i}"),
         }
     }
 }
@@ -46,23 +106,32 @@ impl TryFrom<String> for Device {
 impl FromStr for Device {
     type Err = String;
     fn from_str(s: &str) -> Result<Device, String> {
-        let bad = || format!("bad device '{s}': expected cpu or cuda:N (N a GPU's number, from 0)");
-        match s.trim() {
-            "cpu" => Ok(Device::Cpu),
-            t => t
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Device::Cuda)
-                .ok_or_else(bad),
+        let bad = || {
+            format!("bad device '{s}': expected cpu, cuda:N or vulkan:N (N a GPU's number, from 0)")
+        };
+        let t = s.trim();
+        if t == "cpu" {
+            return Ok(Device::Cpu);
+        }
+        let (backend, n) = t.split_once(':').ok_or_else(bad)?;
+        let n: u32 = n.parse().map_err(|_| bad())?;
+        match backend {
+            "cuda" => Ok(Device::Cuda(n)),
+            "vulkan" => Ok(Device::Vulkan(n)),
+            _ => Err(bad()),
         }
     }
 }
 
-/// What ggml's CUDA backend reports of GPU `index`, loading the backend if
-/// needed: an error names what is missing (the library, the driver, the GPU).
+/// What ggml's GPU backend reports of `device` (CUDA's or Vulkan's), loading
+/// the backend if needed: an error names what is missing (the library, the
+/// driver, the device: an unknown one is named with the devices there are).
 #[cfg(feature = "ggml")]
-pub fn gpu_props(index: u32) -> Result<crate::ffi::device::GpuProps, crate::EngineError> {
-    crate::ffi::device::cuda_device(index)
+pub fn gpu_props(device: Device) -> Result<crate::ffi::device::GpuProps, crate::EngineError> {
+    let Some((backend, index)) = device.gpu() else {
+        return Err(crate::EngineError::Gpu(format!("{device} is not a GPU")));
+    };
+    crate::ffi::device::gpu_device(backend, index)
         .map(|d| d.props())
         .map_err(crate::EngineError::Gpu)
 }
@@ -111,11 +180,12 @@ fn timed_weight_reads(
     let q4_k = crate::gguf::GgmlType::Q4_K.id();
     let budget = std::time::Duration::from_millis(100);
     let size = |want: u64| want.min(max_bytes) as usize;
-    match device {
-        Device::Cpu => ggml::weight_read_rate(None, n_threads, q4_k, size(128 << 20), budget)
+    match device.gpu() {
+        None => ggml::weight_read_rate(None, n_threads, q4_k, size(128 << 20), budget)
             .map_err(crate::EngineError::CpuBackend),
-        Device::Cuda(i) => {
-            let gpu = crate::ffi::device::cuda_device(i).map_err(crate::EngineError::Gpu)?;
+        Some((backend, i)) => {
+            let gpu =
+                crate::ffi::device::gpu_device(backend, i).map_err(crate::EngineError::Gpu)?;
             ggml::weight_read_rate(Some(gpu), n_threads, q4_k, size(1 << 30), budget)
                 .map_err(crate::EngineError::Gpu)
         }
@@ -128,12 +198,17 @@ mod tests {
 
     #[test]
     fn devices_parse_and_print_the_same() {
-        for s in ["cpu", "cuda:0", "cuda:7"] {
+        for s in ["cpu", "cuda:0", "cuda:7", "vulkan:0", "vulkan:3"] {
             assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
         }
-        for s in ["gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CPU0"] {
+        for s in [
+            "gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CPU0", "vulkan", "vulkan:", "rocm:0",
+        ] {
             let e = s.parse::<Device>().unwrap_err();
-            assert!(e.contains(s) && e.contains("cpu or cuda:N"), "{e}");
+            assert!(
+                e.contains(s) && e.contains("cpu, cuda:N or vulkan:N"),
+                "{e}"
+            );
         }
     }
 }

@@ -39,7 +39,7 @@ pub mod stage;
 #[cfg(feature = "ggml")]
 pub mod tokenizer;
 
-pub use device::Device;
+pub use device::{Device, GpuBackend};
 pub use error::EngineError;
 #[cfg(feature = "ggml")]
 pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};

@@ -1,6 +1,6 @@
 //! What this worker's device offers: memory (GPU memory through NVML for a
-//! `cuda:N` device, system memory for `cpu`), the GPU's particulars, cores
-//! and NUMA nodes.
+//! `cuda:N` device, what ggml's Vulkan backend reports for `vulkan:N`, system
+//! memory for `cpu`), the GPU's particulars, cores and NUMA nodes.
 
 use std::sync::OnceLock;
 
@@ -8,13 +8,15 @@ use nvml_wrapper::Nvml;
 use omni_engine::Device;
 use omni_proto::worker::v1::{GpuInfo, Inventory};
 
-/// Reads the inventory of `device` ("cpu" or "cuda:N"). `cap` limits the
+/// Reads the inventory of `device` ("cpu", "cuda:N" or "vulkan:N"). `cap` limits the
 /// memory offered (a worker sharing a machine with others); `reserve` is
 /// kept back from the free memory (a GPU's CUDA context and cuBLAS
 /// workspaces, other programs).
 ///
 /// A `cuda:N` worker needs NVML (the driver) to see the GPU and ggml's CUDA
-/// backend to use it; either missing is an error that names it.
+/// backend to use it; either missing is an error that names it. A
+/// `vulkan:N` worker needs ggml's Vulkan backend to see the device, and
+/// takes its memory from it (the driver's memory budget where it has one).
 pub fn read(device: &str, cap: Option<u64>, reserve: u64) -> anyhow::Result<Inventory> {
     let dev: Device = device.parse().map_err(anyhow::Error::msg)?;
     let mut sys = sysinfo::System::new();
@@ -39,7 +41,7 @@ pub fn read(device: &str, cap: Option<u64>, reserve: u64) -> anyhow::Result<Inve
         Device::Cuda(idx) => {
             let gpu = gpu_info(idx)?;
             // The CUDA backend must load and see the same GPU.
-            let props = omni_engine::device::gpu_props(idx)
+            let props = omni_engine::device::gpu_props(dev)
                 .map_err(|e| anyhow::anyhow!("device {dev}: {e}"))?;
             if let Some(bus) = props.pci_bus_id.as_deref() {
                 anyhow::ensure!(
@@ -54,6 +56,12 @@ pub fn read(device: &str, cap: Option<u64>, reserve: u64) -> anyhow::Result<Inve
             inv.nvml = true;
             inv.gpu = Some(gpu.info);
         }
+        Device::Vulkan(_) => {
+            let props = omni_engine::device::gpu_props(dev)
+                .map_err(|e| anyhow::anyhow!("device {dev}: {e}"))?;
+            inv.device_name = props.description;
+            (inv.memory_total, inv.memory_free) = (props.memory_total, props.memory_free);
+        }
     }
     inv.reserved = reserve.min(inv.memory_free);
     inv.memory_free -= inv.reserved;
@@ -65,12 +73,13 @@ pub fn read(device: &str, cap: Option<u64>, reserve: u64) -> anyhow::Result<Inve
 }
 
 /// The default `--reserve`: on a GPU, room for the CUDA context, cuBLAS's
-/// workspaces and the scheduler's host-side buffers beside the plan's own
-/// numbers (llama.cpp's `--fit` leaves 1 GiB too); on the CPU nothing, the
-/// planner keeps its own headroom.
+/// workspaces (or Vulkan's pipelines and staging buffers) and the
+/// scheduler's host-side buffers beside the plan's own numbers (llama.cpp's
+/// `--fit` leaves 1 GiB too); on the CPU nothing, the planner keeps its own
+/// headroom.
 pub fn default_reserve(device: &str) -> u64 {
     match device.parse::<Device>() {
-        Ok(Device::Cuda(_)) => 1 << 30,
+        Ok(d) if d.is_gpu() => 1 << 30,
         _ => 0,
     }
 }
@@ -161,6 +170,10 @@ pub fn memory_now(device: &str, cap: Option<u64>, reserve: u64) -> Option<(u64, 
             let m = nvml().ok()?.device_by_index(i).ok()?.memory_info().ok()?;
             (m.total, m.free)
         }
+        dev @ Device::Vulkan(_) => {
+            let p = omni_engine::device::gpu_props(dev).ok()?;
+            (p.memory_total, p.memory_free)
+        }
     };
     let cap = cap.unwrap_or(u64::MAX);
     Some((total.min(cap), free.saturating_sub(reserve).min(cap)))
@@ -230,6 +243,6 @@ mod tests {
             "{e}"
         );
         let e = super::read("gpu0", None, 0).unwrap_err().to_string();
-        assert!(e.contains("expected cpu or cuda:N"), "{e}");
+        assert!(e.contains("expected cpu, cuda:N or vulkan:N"), "{e}");
     }
 }

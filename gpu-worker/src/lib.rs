@@ -597,6 +597,22 @@ impl Worker {
             stage.compute_bytes() as u64,
         );
         let device_bytes = stage.device_bytes();
+        let fallback_ops = stage.fallback_ops();
+        let on_host = &stage.weights().kept_on_host;
+        if !on_host.is_empty() {
+            tracing::warn!(
+                "{} cannot read {} where they are used: kept in host memory, their ops run on the CPU",
+                cfg.device,
+                on_host.join(", ")
+            );
+        }
+        if !fallback_ops.is_empty() {
+            tracing::warn!(
+                "{}'s backend cannot compute {}: ggml runs them on the CPU",
+                cfg.device,
+                fallback_ops.join(", ")
+            );
+        }
         // Room for a few full micro-batches of f32 hidden state in flight.
         let frame = 64 * 1024 + cfg.n_ubatch * n_embd * 4;
         let mut inbox = self.inbox.lock().unwrap();
@@ -650,6 +666,7 @@ impl Worker {
             compute_bytes: reply_bytes.2,
             load_seconds: secs,
             inbox: Some(inbox_ep),
+            fallback_ops,
         })
     }
 }

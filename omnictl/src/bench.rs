@@ -64,11 +64,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         ..StageConfig::default()
     };
     let cpu = omni_engine::cpu_backend(a.cpu_variant.as_deref())?;
-    let gpu_free = || match a.device {
-        omni_engine::Device::Cuda(i) => omni_engine::device::gpu_props(i)
-            .ok()
-            .map(|p| p.memory_free),
-        omni_engine::Device::Cpu => None,
+    let gpu_free = || {
+        a.device
+            .is_gpu()
+            .then(|| omni_engine::device::gpu_props(a.device).ok())
+            .flatten()
+            .map(|p| p.memory_free)
     };
     let free_before = gpu_free();
     let mut engine = Engine::load(&path, None, cfg.clone())?;
@@ -206,7 +207,7 @@ fn report_compute(engine: &Engine, cfg: &StageConfig) {
         n_ubatch: cfg.n_ubatch,
         ..Default::default()
     };
-    let estimate = omni_planner::compute_estimate(hp, st.range(), &plan);
+    let estimate = omni_planner::compute_estimate(hp, st.range(), &plan, st.device().is_gpu());
     let (device, host) = st.compute_bytes_split();
     let real = (device + host) as u64;
     let on = st.device();
@@ -261,8 +262,8 @@ fn llama_bench(
             "json",
         ])
         .args(match a.device {
-            // llama.cpp's CUDA build offloads nothing unless told.
-            omni_engine::Device::Cuda(i) => vec![
+            // llama.cpp's GPU builds offload nothing unless told.
+            omni_engine::Device::Cuda(i) | omni_engine::Device::Vulkan(i) => vec![
                 "-ngl".to_string(),
                 "999".to_string(),
                 "-mg".to_string(),

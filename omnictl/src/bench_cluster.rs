@@ -81,9 +81,9 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
     });
     let mut constrained: Option<(f64, f64, Vec<u32>)> = None;
 
-    if let omni_engine::Device::Cuda(i) = a.device {
-        // Loaded in this process, the CUDA backend is llama.cpp's too.
-        omni_engine::device::gpu_props(i)?;
+    if a.device.is_gpu() {
+        // Loaded in this process, the GPU backend is llama.cpp's too.
+        omni_engine::device::gpu_props(a.device)?;
     }
     rows.push(llama_cpp_row(&path, &prompt, &a, threads)?);
 

@@ -34,7 +34,7 @@ pub struct UpArgs {
     /// Sequences resident at once.
     #[arg(long, default_value_t = 8)]
     pub seqs: usize,
-    /// Each worker's device, in order: cpu or cuda:N (e.g. cuda:0,cuda:1,cpu;
+    /// Each worker's device, in order: cpu, cuda:N or vulkan:N (e.g. cuda:0,cuda:1,cpu;
     /// the last one repeats for the workers past the list).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub device: Vec<omni_engine::Device>,

@@ -65,7 +65,10 @@ fn a_bad_device_name_is_refused_with_the_forms_that_work() {
     for bad in ["gpu", "cuda", "cuda:one", "cuda:-1"] {
         let (code, log) = worker(&["--device", bad]);
         assert_eq!(code, Some(1), "{bad}: {log}");
-        assert!(log.contains("expected cpu or cuda:N"), "{bad}: {log}");
+        assert!(
+            log.contains("expected cpu, cuda:N or vulkan:N"),
+            "{bad}: {log}"
+        );
     }
 }
 
@@ -79,7 +82,9 @@ fn a_stage_on_a_gpu_names_what_is_missing() {
         return;
     }
     let lib = target_bin("omni-gpu-worker").with_file_name(omni_engine::CUDA_LIBRARY);
-    let e = omni_engine::device::gpu_props(0).unwrap_err().to_string();
+    let e = omni_engine::device::gpu_props(omni_engine::Device::Cuda(0))
+        .unwrap_err()
+        .to_string();
     if lib.exists() {
         assert!(
             e.contains("cannot load") && e.contains("NVIDIA driver"),

@@ -1,8 +1,16 @@
-//! GPUs: ggml's CUDA backend, a library (`libggml-cuda.so`, built by
-//! `scripts/build-cuda`) loaded at run time from beside the binaries, like
-//! the CPU variants. A build without it, or a machine without the NVIDIA
-//! driver, still runs everything on the CPU; asking for `cuda:N` there is an
-//! error that says which of the two is missing.
+//! GPUs: ggml's CUDA backend (`libggml-cuda.so`, built by
+//! `scripts/build-cuda`) and its Vulkan backend (`libggml-vulkan.so`, built
+//! by `scripts/build-vulkan`), libraries loaded at run time from beside the
+//! binaries, like the CPU variants. A build without them, or a machine
+//! without the driver, still runs everything on the CPU; asking for
+//! `cuda:N` or `vulkan:N` there is an error that says what is missing.
+//!
+//! ggml-vulkan uses only discrete and integrated GPUs unless
+//! `GGML_VK_VISIBLE_DEVICES` (ggml's own variable, its `CUDA_VISIBLE_DEVICES`)
+//! lists the devices to use by their Vulkan numbers: that is how a CPU-type
+//! device, Mesa's software driver lavapipe, becomes `vulkan:0` where there is
+//! no GPU (the tests' device). omni never sets it: a user with a GPU gets
+//! ggml's choice.
 
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
@@ -11,11 +19,13 @@ use std::sync::OnceLock;
 use llama_cpp_sys_2 as sys;
 
 use super::cpu_variant::{self, Reg};
+use crate::GpuBackend;
 
-/// The library's file name.
+/// The CUDA backend library's file name.
 pub const CUDA_LIBRARY: &str = "libggml-cuda.so";
 
 static CUDA: OnceLock<Result<Reg, String>> = OnceLock::new();
+static VULKAN: OnceLock<Result<Reg, String>> = OnceLock::new();
 
 /// A device of a loaded GPU backend.
 #[derive(Clone, Copy, Debug)]
@@ -25,12 +35,12 @@ pub struct GpuDevice(pub(crate) sys::ggml_backend_dev_t);
 unsafe impl Send for GpuDevice {}
 unsafe impl Sync for GpuDevice {}
 
-/// What ggml's CUDA backend says of one of its devices.
+/// What a GPU backend says of one of its devices.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuProps {
-    /// ggml's name (`CUDA0`).
+    /// ggml's name (`CUDA0`, `Vulkan0`).
     pub name: String,
-    /// The GPU's name (`NVIDIA H100 80GB HBM3`).
+    /// The GPU's name (`NVIDIA H100 80GB HBM3`, `llvmpipe (LLVM 15.0.6, 256 bits)`).
     pub description: String,
     pub memory_free: u64,
     pub memory_total: u64,
@@ -38,49 +48,60 @@ pub struct GpuProps {
     pub pci_bus_id: Option<String>,
 }
 
-/// Where `libggml-cuda.so` would be (beside the CPU variants).
-pub fn cuda_library_path() -> Result<PathBuf, String> {
-    Ok(cpu_variant::library_dir()?.join(CUDA_LIBRARY))
+/// Where the library of `backend` would be (beside the CPU variants).
+pub fn library_path(backend: GpuBackend) -> Result<PathBuf, String> {
+    Ok(cpu_variant::library_dir()?.join(backend.library()))
 }
 
-/// ggml's CUDA backend, loaded on first use.
-fn cuda_reg() -> Result<sys::ggml_backend_reg_t, String> {
-    CUDA.get_or_init(load_cuda)
+/// The backend's registration, loaded on first use.
+fn reg(backend: GpuBackend) -> Result<sys::ggml_backend_reg_t, String> {
+    let cell = match backend {
+        GpuBackend::Cuda => &CUDA,
+        GpuBackend::Vulkan => &VULKAN,
+    };
+    cell.get_or_init(|| load(backend))
         .as_ref()
         .map(|r| r.0)
         .map_err(Clone::clone)
 }
 
-fn load_cuda() -> Result<Reg, String> {
+fn load(backend: GpuBackend) -> Result<Reg, String> {
     super::ggml::init_logging();
     // The CPU backend first: ggml's scheduler needs it beside any GPU.
     cpu_variant::load(None)?;
-    // CUDA numbers GPUs fastest first unless told otherwise; NVML (the
-    // inventory) numbers them by PCI bus. Same numbers on both sides.
-    if std::env::var_os("CUDA_DEVICE_ORDER").is_none() {
+    let name = backend.name();
+    if backend == GpuBackend::Cuda && std::env::var_os("CUDA_DEVICE_ORDER").is_none() {
+        // CUDA numbers GPUs fastest first unless told otherwise; NVML (the
+        // inventory) numbers them by PCI bus. Same numbers on both sides.
         // Read by the CUDA runtime when the library below initialises it.
         std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
     }
-    let path = cuda_library_path()?;
+    let path = library_path(backend)?;
     if !path.exists() {
         return Err(format!(
-            "this build has no CUDA backend ({} is missing; scripts/build-cuda builds it)",
-            path.display()
+            "this build has no {name} backend ({} is missing; {} builds it)",
+            path.display(),
+            backend.build_script()
         ));
     }
     // Opened once ourselves for the loader's own reason (a missing
-    // libcuda.so.1 means no NVIDIA driver); ggml only logs it.
-    // SAFETY: the library's initialisers are CUDA's and ggml's, which only
-    // register types; ggml loads the same file right after.
+    // libcuda.so.1 means no NVIDIA driver, a missing libvulkan.so.1 no
+    // Vulkan loader); ggml only logs it.
+    // SAFETY: the library's initialisers are the backend's and ggml's, which
+    // only register types; ggml loads the same file right after.
     if let Err(e) = unsafe { libloading::Library::new(&path) } {
+        let why = e.to_string();
+        let hint = if why.contains("libcuda.so") {
+            " (the NVIDIA driver is not installed, or not visible in this container)"
+        } else if why.contains("libvulkan.so") {
+            " (the Vulkan loader is not installed: Debian's and Ubuntu's libvulkan1, with a driver \
+             such as mesa-vulkan-drivers)"
+        } else {
+            ""
+        };
         return Err(format!(
-            "the CUDA backend {} cannot load: {e}{}",
-            path.display(),
-            if e.to_string().contains("libcuda.so") {
-                " (the NVIDIA driver is not installed, or not visible in this container)"
-            } else {
-                ""
-            }
+            "the {name} backend {} cannot load: {why}{hint}",
+            path.display()
         ));
     }
     let c_path = CString::new(path.as_os_str().as_encoded_bytes())
@@ -88,8 +109,14 @@ fn load_cuda() -> Result<Reg, String> {
     // SAFETY: loads a ggml backend library by path; ggml checks its API version.
     let reg = unsafe { sys::ggml_backend_load(c_path.as_ptr()) };
     if reg.is_null() {
+        let visible = match (backend, std::env::var("GGML_VK_VISIBLE_DEVICES")) {
+            (GpuBackend::Vulkan, Ok(v)) => format!(
+                "; GGML_VK_VISIBLE_DEVICES={v} must list device numbers that `vulkaninfo --summary` shows"
+            ),
+            _ => String::new(),
+        };
         return Err(format!(
-            "ggml could not start the CUDA backend {} (no usable GPU, or a driver too old for it; \
+            "ggml could not start the {name} backend {} (no usable GPU, or a driver too old for it{visible}; \
              run with OMNI_GGML_LOG=1 for ggml's reason)",
             path.display()
         ));
@@ -97,21 +124,58 @@ fn load_cuda() -> Result<Reg, String> {
     Ok(Reg(reg))
 }
 
-/// The CUDA device `index` (CUDA's numbering in PCI bus order, as NVML's).
-pub fn cuda_device(index: u32) -> Result<GpuDevice, String> {
-    let reg = cuda_reg()?;
+/// The devices `backend` uses, as `vulkan:0 (llvmpipe ...)` for messages.
+fn device_list(backend: GpuBackend, reg: sys::ggml_backend_reg_t) -> Vec<String> {
     // SAFETY: valid registration.
     let n = unsafe { sys::ggml_backend_reg_dev_count(reg) };
+    (0..n)
+        .map(|i| {
+            // SAFETY: i is below the count.
+            let dev = unsafe { sys::ggml_backend_reg_dev_get(reg, i) };
+            let desc = if dev.is_null() {
+                String::new()
+            } else {
+                format!(" ({})", GpuDevice(dev).props().description)
+            };
+            format!("{}:{i}{desc}", backend.prefix())
+        })
+        .collect()
+}
+
+/// Device `index` of `backend`: CUDA's numbering in PCI bus order (as
+/// NVML's), Vulkan's as ggml-vulkan lists the devices it uses.
+pub fn gpu_device(backend: GpuBackend, index: u32) -> Result<GpuDevice, String> {
+    let reg = reg(backend)?;
+    let devices = device_list(backend, reg);
+    let n = devices.len();
+    if n == 0 && backend == GpuBackend::Vulkan {
+        return Err(format!(
+            "vulkan:{index} does not exist: the Vulkan backend sees no usable device. It uses \
+             discrete and integrated GPUs only, unless GGML_VK_VISIBLE_DEVICES lists the Vulkan \
+             devices to use (their numbers as `vulkaninfo --summary` shows them): set \
+             GGML_VK_VISIBLE_DEVICES=0 to use a CPU (software) device such as Mesa's lavapipe"
+        ));
+    }
     if index as usize >= n {
         return Err(format!(
-            "cuda:{index} does not exist: the CUDA backend sees {n} GPU{}",
-            if n == 1 { "" } else { "s" }
+            "{}:{index} does not exist: the {} backend sees {n} device{}{}",
+            backend.prefix(),
+            backend.name(),
+            if n == 1 { "" } else { "s" },
+            if n == 0 {
+                String::new()
+            } else {
+                format!(": {}", devices.join(", "))
+            }
         ));
     }
     // SAFETY: index checked against the count.
     let dev = unsafe { sys::ggml_backend_reg_dev_get(reg, index as usize) };
     if dev.is_null() {
-        return Err(format!("the CUDA backend has no device {index}"));
+        return Err(format!(
+            "the {} backend has no device {index}",
+            backend.name()
+        ));
     }
     Ok(GpuDevice(dev))
 }

@@ -71,8 +71,9 @@ impl DeviceExperts {
             whole.add(info.ggml_type.id(), &dims, &name);
             let target = repack_buft
                 .filter(|&b| {
-                    ggml::buft_supports_mul_mat_id(b, whole.get(0), n_used)
-                        && ggml::buft_supports_mul_mat_id(b, store.get(0), n_used)
+                    let read = ggml::WeightRead::MulMatId(n_used);
+                    ggml::buft_supports(b, whole.get(0), read)
+                        && ggml::buft_supports(b, store.get(0), read)
                 })
                 .unwrap_or(buft);
             let buffer =

@@ -173,9 +173,11 @@ impl Stage {
                 cfg.device
             )));
         }
-        let gpu = match cfg.device {
-            Device::Cpu => None,
-            Device::Cuda(i) => Some(ggml_device::cuda_device(i).map_err(EngineError::Gpu)?),
+        let gpu = match cfg.device.gpu() {
+            None => None,
+            Some((backend, i)) => {
+                Some(ggml_device::gpu_device(backend, i).map_err(EngineError::Gpu)?)
+            }
         };
         let exec = Executor::new(gpu, cfg.n_threads).map_err(if cfg.device.is_gpu() {
             EngineError::Gpu
@@ -245,6 +247,13 @@ impl Stage {
     /// a GPU; 0 on the CPU).
     pub fn compute_bytes_split(&self) -> (usize, usize) {
         self.exec.buffer_sizes()
+    }
+
+    /// The ops of this stage's graphs that its GPU's backend cannot compute
+    /// and ggml's scheduler runs on the CPU instead (ggml's op names); empty
+    /// on the CPU.
+    pub fn fallback_ops(&self) -> Vec<String> {
+        self.exec.fallback_ops()
     }
 
     /// The device this stage computes on.

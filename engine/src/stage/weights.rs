@@ -50,6 +50,10 @@ pub struct Weights {
     pub on_device: bool,
     /// Bytes used straight from the memory map.
     pub mapped_bytes: u64,
+    /// On a GPU stage: weights its device cannot read where they are used
+    /// (too large for it to address, or of a type its kernels lack), kept
+    /// in host memory; their ops run on the CPU.
+    pub kept_on_host: Vec<String>,
 }
 
 impl Weights {
@@ -141,6 +145,7 @@ impl Weights {
         let mut to_copy = Vec::new();
         let mut placed = Vec::new();
         let (mut mapped_bytes, mut repacked_bytes) = (0u64, 0u64);
+        let mut kept_on_host = Vec::new();
         let n_used = hp.moe.as_ref().map_or(1, |m| m.n_expert_used as i64);
         for (name, op) in wanted {
             let info = g
@@ -151,12 +156,27 @@ impl Weights {
             let ty = info.ggml_type.id();
             let idx = mapped.add(ty, &ne, name);
             // Asked per op the way llama.cpp's loader asks, so the same
-            // weights end up repacked (and the same kernels run).
+            // weights end up repacked or on the device (and the same
+            // kernels run). A weight the device cannot read where it is
+            // used stays in host memory, and ggml's scheduler runs its op
+            // on the CPU (a fallback the plan's notes name).
+            let read = match op {
+                WeightOp::MulMat => ggml::WeightRead::MulMat,
+                WeightOp::MulMatId => ggml::WeightRead::MulMatId(n_used),
+                WeightOp::Other => ggml::WeightRead::Other,
+            };
             let use_repack = repack_buft.is_some_and(|b| match op {
-                _ if device.is_some() => name != "token_embd.weight",
-                WeightOp::MulMat => repack.dense && ggml::buft_supports_mul_mat(b, mapped.get(idx)),
+                _ if device.is_some() => {
+                    let on = name != "token_embd.weight";
+                    if on && !ggml::buft_supports(b, mapped.get(idx), read) {
+                        kept_on_host.push(name.clone());
+                        return false;
+                    }
+                    on
+                }
+                WeightOp::MulMat => repack.dense && ggml::buft_supports(b, mapped.get(idx), read),
                 WeightOp::MulMatId => {
-                    repack.experts && ggml::buft_supports_mul_mat_id(b, mapped.get(idx), n_used)
+                    repack.experts && ggml::buft_supports(b, mapped.get(idx), read)
                 }
                 WeightOp::Other => false,
             });
@@ -216,6 +236,7 @@ impl Weights {
             repacked_bytes,
             mapped_bytes,
             on_device: device.is_some(),
+            kept_on_host,
         })
     }
 }

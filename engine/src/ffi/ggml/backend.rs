@@ -136,9 +136,28 @@ pub fn cpu_extra_buffer_types() -> Result<Vec<BufferType>, String> {
     Ok(out)
 }
 
-/// Would a `mul_mat(weight, x)` with `weight` stored in `buft` run on the CPU?
-/// Asked the way llama.cpp asks it: a dummy buffer of that type and a fake op.
-pub fn buft_supports_mul_mat(buft: BufferType, weight: Tensor<'_>) -> bool {
+/// How a weight is read: the op llama.cpp's loader asks a buffer type's
+/// device about before it puts the weight there.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightRead {
+    /// `mul_mat(weight, x)`, 512 rows of `x`.
+    MulMat,
+    /// `mul_mat_id(weight, x, ids)` of a 3-D expert tensor, this many experts
+    /// per row, 512 rows.
+    MulMatId(i64),
+    /// Any other op: only the weight itself, as ggml's scheduler asks of
+    /// every tensor already in a buffer (a device refuses a tensor larger
+    /// than it can address: ggml-vulkan one over `maxStorageBufferRange`
+    /// without 64-bit indexing).
+    Other,
+}
+
+/// Would the device of `buft` (the CPU for its repacked types) run what
+/// reads `weight` with `weight` stored in `buft`? Asked the way llama.cpp's
+/// loader asks it: a dummy buffer of that type and a fake op; the weight
+/// itself is asked too, as ggml's scheduler asks of a tensor already in a
+/// buffer (it aborts when the device refuses one).
+pub fn buft_supports(buft: BufferType, weight: Tensor<'_>, read: WeightRead) -> bool {
     let ctx = Ctx::new(4, false);
     // SAFETY: zero-sized allocation of a valid buffer type.
     let dummy = unsafe { sys::ggml_backend_buft_alloc_buffer(buft.0, 0) };
@@ -148,40 +167,29 @@ pub fn buft_supports_mul_mat(buft: BufferType, weight: Tensor<'_>) -> bool {
     let ne = weight.ne();
     let w = ctx.new_tensor(weight.ty(), &ne[..weight.n_dims().max(1) as usize]);
     // SAFETY: `w` is a metadata-only tensor we own; pointing its buffer at the
-    // dummy makes the CPU device consult that buffer type's support table.
+    // dummy makes the device consult that buffer type's support table.
     unsafe { (*w.raw()).buffer = dummy };
-    let x = ctx.new_tensor(TYPE_F32, &[ne[0], 512]);
-    let op = ctx.mul_mat(w, x);
-    // SAFETY: valid device and op; then free the dummy buffer we allocated.
-    let ok =
-        cpu_device().is_ok_and(|dev| unsafe { sys::ggml_backend_dev_supports_op(dev, op.raw()) });
-    unsafe {
-        (*w.raw()).buffer = ptr::null_mut();
-        sys::ggml_backend_buffer_free(dummy);
-    }
-    ok
-}
-
-/// Would a `mul_mat_id(weight, x, ids)` with the 3-D expert `weight` stored
-/// in `buft` run on the CPU? Asked as llama.cpp's loader asks it (a dummy
-/// buffer, `n_used` experts per row, 512 rows).
-pub fn buft_supports_mul_mat_id(buft: BufferType, weight: Tensor<'_>, n_used: i64) -> bool {
-    let ctx = Ctx::new(4, false);
-    // SAFETY: zero-sized allocation of a valid buffer type.
-    let dummy = unsafe { sys::ggml_backend_buft_alloc_buffer(buft.0, 0) };
-    if dummy.is_null() {
-        return false;
-    }
-    let ne = weight.ne();
-    let w = ctx.new_tensor(weight.ty(), &ne[..weight.n_dims().max(1) as usize]);
-    // SAFETY: as in `buft_supports_mul_mat`.
-    unsafe { (*w.raw()).buffer = dummy };
-    let x = ctx.new_tensor(TYPE_F32, &[ne[0], n_used, 512]);
-    let ids = ctx.new_tensor(TYPE_I32, &[n_used, 512]);
-    let op = ctx.mul_mat_id(w, x, ids);
-    // SAFETY: valid device and op; then free the dummy buffer we allocated.
-    let ok =
-        cpu_device().is_ok_and(|dev| unsafe { sys::ggml_backend_dev_supports_op(dev, op.raw()) });
+    let op = match read {
+        WeightRead::MulMat => Some(ctx.mul_mat(w, ctx.new_tensor(TYPE_F32, &[ne[0], 512]))),
+        WeightRead::MulMatId(n_used) => {
+            let x = ctx.new_tensor(TYPE_F32, &[ne[0], n_used, 512]);
+            let ids = ctx.new_tensor(TYPE_I32, &[n_used, 512]);
+            Some(ctx.mul_mat_id(w, x, ids))
+        }
+        WeightRead::Other => None,
+    };
+    // SAFETY: a valid buffer type; its device, or none.
+    let dev = unsafe { sys::ggml_backend_buft_get_device(buft.0) };
+    let dev = if dev.is_null() {
+        cpu_device().ok()
+    } else {
+        Some(dev)
+    };
+    // SAFETY: valid device and ops; then free the dummy buffer we allocated.
+    let ok = dev.is_some_and(|dev| unsafe {
+        sys::ggml_backend_dev_supports_op(dev, w.raw())
+            && op.is_none_or(|op| sys::ggml_backend_dev_supports_op(dev, op.raw()))
+    });
     unsafe {
         (*w.raw()).buffer = ptr::null_mut();
         sys::ggml_backend_buffer_free(dummy);
@@ -276,6 +284,9 @@ pub struct Executor {
     pub(super) gpu: Option<NonNull<sys::ggml_backend>>,
     pub(super) cpu: CpuBackend,
     pub(super) buft: BufferType,
+    /// Ops of the graphs reserved so far that the GPU cannot compute, which
+    /// ggml's scheduler gave to the CPU (ggml's op names, e.g. `ARGSORT`).
+    fallbacks: std::collections::BTreeSet<String>,
 }
 
 // SAFETY: used by one thread at a time (`&mut self` to allocate or compute).
@@ -342,6 +353,7 @@ impl Executor {
             gpu: gpu_backend,
             cpu,
             buft,
+            fallbacks: Default::default(),
         })
     }
 
@@ -359,14 +371,46 @@ impl Executor {
         self.cpu.set_batch_invariant(on)
     }
 
-    /// Sizes the compute buffers for `graph` (they only grow).
+    /// Sizes the compute buffers for `graph` (they only grow), and notes
+    /// the ops of it that the GPU lacks (see [`Executor::fallback_ops`]).
     pub fn reserve(&mut self, graph: &Graph<'_>) -> Result<(), String> {
         // SAFETY: valid scheduler and graph.
-        if unsafe { sys::ggml_backend_sched_reserve(self.sched.as_ptr(), graph.raw.as_ptr()) } {
-            Ok(())
-        } else {
-            Err("could not allocate the compute buffer".into())
+        if !unsafe { sys::ggml_backend_sched_reserve(self.sched.as_ptr(), graph.raw.as_ptr()) } {
+            return Err("could not allocate the compute buffer".into());
         }
+        if let Some(gpu) = self.gpu {
+            // Reserving leaves no assignment behind: the graph is split
+            // again, placed in the buffers just sized, read and let go.
+            // SAFETY: valid scheduler and graph; after the allocation each
+            // node has a backend; the op names are static strings.
+            unsafe {
+                let g = graph.raw.as_ptr();
+                sys::ggml_backend_sched_reset(self.sched.as_ptr());
+                if !sys::ggml_backend_sched_alloc_graph(self.sched.as_ptr(), g) {
+                    return Err("could not allocate the compute graph".into());
+                }
+                for i in 0..sys::ggml_graph_n_nodes(g) {
+                    let node = sys::ggml_graph_node(g, i);
+                    let on = sys::ggml_backend_sched_get_tensor_backend(self.sched.as_ptr(), node);
+                    if on == self.cpu.raw.as_ptr()
+                        && !sys::ggml_backend_supports_op(gpu.as_ptr(), node)
+                    {
+                        let op = CStr::from_ptr(sys::ggml_op_desc(node));
+                        self.fallbacks.insert(op.to_string_lossy().into_owned());
+                    }
+                }
+                sys::ggml_backend_sched_reset(self.sched.as_ptr());
+            }
+        }
+        Ok(())
+    }
+
+    /// The ops of the reserved graphs that run on the CPU because the GPU's
+    /// backend cannot compute them (ggml's scheduler falls back to the CPU
+    /// for each, copying its inputs across and its result back); empty on
+    /// the CPU alone, and where the GPU computes every op.
+    pub fn fallback_ops(&self) -> Vec<String> {
+        self.fallbacks.iter().cloned().collect()
     }
 
     /// Gives `graph`'s tensors memory (the previous graph's is reused), so
@@ -516,5 +560,5 @@ impl TensorStore {
 pub(super) fn repacked_buft_for(weight: Tensor<'_>) -> Result<Option<BufferType>, String> {
     Ok(cpu_extra_buffer_types()?
         .into_iter()
-        .find(|b| buft_supports_mul_mat(*b, weight)))
+        .find(|b| buft_supports(*b, weight, WeightRead::MulMat)))
 }

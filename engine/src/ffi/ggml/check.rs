@@ -109,10 +109,21 @@ pub fn weight_read_rate(
     let mut exec = Executor::new(gpu, n_threads)?;
     let k: i64 = 4096;
     // Rows in eights: the CPU's repacked kernels take them in blocks of 8.
-    let rows = ((bytes / row_size(ty, k)).max(8) / 8 * 8) as i64;
+    let mut rows = ((bytes / row_size(ty, k)).max(8) / 8 * 8) as i64;
     let mut store = TensorStore::new(1);
-    let wi = store.add(ty, &[k, rows], "calibration.weight");
+    let mut wi = store.add(ty, &[k, rows], "calibration.weight");
     let buft = if exec.on_gpu() {
+        // As large as the device can address in one tensor (ggml-vulkan
+        // without 64-bit indexing: maxStorageBufferRange, 128 MiB on
+        // lavapipe), halving from the size asked.
+        while !super::buft_supports(exec.buffer_type(), store.get(wi), super::WeightRead::MulMat) {
+            if rows <= 8 {
+                return Err("the device cannot multiply even a small Q4_K matrix".into());
+            }
+            rows = (rows / 2).max(8) / 8 * 8;
+            store = TensorStore::new(1);
+            wi = store.add(ty, &[k, rows], "calibration.weight");
+        }
         exec.buffer_type()
     } else {
         repacked_buft_for(store.get(wi))?.unwrap_or(exec.buffer_type())

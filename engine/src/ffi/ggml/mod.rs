@@ -16,8 +16,8 @@ mod check;
 use super::cpu_variant;
 pub use attention::ORDER_HEADER;
 pub use backend::{
-    buft_supports_mul_mat, buft_supports_mul_mat_id, cpu_extra_buffer_types, Buffer, BufferType,
-    CpuBackend, Executor, GraphAllocator, TensorStore,
+    buft_supports, cpu_extra_buffer_types, Buffer, BufferType, CpuBackend, Executor,
+    GraphAllocator, TensorStore, WeightRead,
 };
 pub use check::{matmul_check, weight_read_rate};
 use llama_cpp_sys_2 as sys;
