@@ -361,6 +361,11 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
         start::load_stages(&cfg, &plan, &workers),
         start::load_experts(&cfg, &plan, &expert_workers),
     )?;
+    let mut plan = plan;
+    for note in start::fallback_notes(&plan, &replies) {
+        tracing::warn!("{note}");
+        plan.notes.push(note);
+    }
     // The plan names only registered expert workers.
     let expert_worker = |id: &str| -> &Registered {
         expert_workers

@@ -170,11 +170,36 @@ fn memory_pool(w: &Registered) -> Option<plan::MemoryPool> {
                 name: format!("{host}'s {}", inv.device),
             }
         }
+        // A Vulkan device has no NVML record: its own memory, keyed by its
+        // number (a software device such as lavapipe computes in host RAM
+        // but reports a heap of its own; the plan counts it apart).
+        None if inv.device.starts_with("vulkan:") => plan::MemoryPool {
+            key: format!("{}/gpu/{}", inv.host_id, inv.device),
+            name: format!("{host}'s {}", inv.device),
+        },
         None => plan::MemoryPool {
             key: format!("{}/ram", inv.host_id),
             name: format!("{host}'s RAM"),
         },
     })
+}
+
+/// The plan's notes on ops a GPU stage's backend cannot compute, which ggml
+/// runs on the CPU beside it (from the stages' load replies, in stage order).
+pub(crate) fn fallback_notes(plan: &Plan, replies: &[LoadReply]) -> Vec<String> {
+    plan.stages
+        .iter()
+        .zip(replies)
+        .filter(|(_, r)| !r.fallback_ops.is_empty())
+        .map(|(st, r)| {
+            format!(
+                "fallback: {} ({}) runs {} on the CPU: its backend cannot compute them, so ggml's scheduler copies their inputs to the CPU and the results back each step",
+                st.worker,
+                st.device,
+                r.fallback_ops.join(", ")
+            )
+        })
+        .collect()
 }
 
 /// Has every stage worker load its range (all at once); their replies in

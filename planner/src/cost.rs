@@ -95,14 +95,9 @@ impl ComputeEstimate {
     /// its layers use (0 without layers; 2 for a range with both global and
     /// sliding-window layers).
     pub fn bytes(&self, embed: bool, has_layers: bool, masks: u64, head: bool) -> u64 {
-        let mut b = self.slack;
-        b += if embed {
-            self.tokens_in + self.embed
-        } else {
-            self.hidden_in
-        };
+        let mut b = self.slack + self.inputs(embed, has_layers, masks);
         if has_layers {
-            b += self.layer_inputs + masks * self.mask + self.layer;
+            b += self.layer;
         }
         if head {
             b += self.head;
@@ -110,12 +105,56 @@ impl ComputeEstimate {
         b
     }
 
-    /// The estimate for `range` of a model with these hyper-parameters.
-    pub fn for_range(&self, hp: &Hparams, range: &LayerRange) -> u64 {
+    /// A step's inputs: the token ids and their embedding rows, or the
+    /// hidden state; with layers, positions, cells and masks.
+    fn inputs(&self, embed: bool, has_layers: bool, masks: u64) -> u64 {
+        let mut b = if embed {
+            self.tokens_in + self.embed
+        } else {
+            self.hidden_in
+        };
+        if has_layers {
+            b += self.layer_inputs + masks * self.mask;
+        }
+        b
+    }
+
+    /// What a stage on a GPU holds beyond [`ComputeEstimate::bytes`]: ggml's
+    /// scheduler gives the device and the CPU a compute buffer each, and a
+    /// tensor that crosses between them is in both. A step's inputs (token
+    /// ids or hidden state, positions and cells, masks) are written in host
+    /// memory and copied to the device; the embedding's rows come from host
+    /// memory; the head's input crosses where the head's weights stay on
+    /// the host (too large for the device to address: lavapipe's limit for
+    /// Gemma 3's tied head). Each buffer has its own alignment slack, and
+    /// the device's kernels keep a few more intermediates than the CPU's
+    /// (an eighth of a layer's activations covers ggml-vulkan's: Gemma 3 on
+    /// lavapipe reserved 29.5 MiB on the device where the CPU's layer
+    /// activations and the copies add up to 26.5).
+    pub fn device_copies(&self, embed: bool, has_layers: bool, masks: u64, head: bool) -> u64 {
+        let mut b = self.slack + self.inputs(embed, has_layers, masks);
+        if has_layers {
+            b += self.layer / 8;
+        }
+        if head {
+            b += self.hidden_in;
+        }
+        b
+    }
+
+    /// The estimate for `range` of a model with these hyper-parameters, on
+    /// a GPU (`gpu`: with [`ComputeEstimate::device_copies`]) or the CPU.
+    pub fn for_range(&self, hp: &Hparams, range: &LayerRange, gpu: bool) -> u64 {
         let swa = range.layers.clone().filter(|&il| hp.is_swa(il)).count() as u64;
         let global = range.layers.len() as u64 - swa;
         let masks = u64::from(swa > 0) + u64::from(global > 0);
-        self.bytes(range.embed, !range.layers.is_empty(), masks, range.head)
+        let (embed, layers, head) = (range.embed, !range.layers.is_empty(), range.head);
+        self.bytes(embed, layers, masks, head)
+            + if gpu {
+                self.device_copies(embed, layers, masks, head)
+            } else {
+                0
+            }
     }
 }
 
@@ -151,9 +190,10 @@ pub fn expert_compute_estimate(hp: &Hparams, n_ubatch: usize) -> u64 {
     4 * n * (e + u * (3 * fx + 2 * e)) + 8 * n * u + (1 << 20)
 }
 
-/// The compute-buffer estimate for one range (see [`ComputeEstimate`]).
-pub fn compute_estimate(hp: &Hparams, range: &LayerRange, cfg: &PlanConfig) -> u64 {
-    ComputeEstimate::new(hp, cfg.n_ctx, cfg.n_seq, cfg.n_ubatch).for_range(hp, range)
+/// The compute-buffer estimate for one range (see [`ComputeEstimate`]) on
+/// the CPU, or on a GPU (`gpu`: the device's buffer and the host's).
+pub fn compute_estimate(hp: &Hparams, range: &LayerRange, cfg: &PlanConfig, gpu: bool) -> u64 {
+    ComputeEstimate::new(hp, cfg.n_ctx, cfg.n_seq, cfg.n_ubatch).for_range(hp, range, gpu)
 }
 
 /// Everything the cost of a stage depends on, precomputed once per plan so
@@ -191,9 +231,14 @@ pub(crate) struct Costs<'a> {
     pub(crate) rate: Option<Vec<f64>>,
 }
 
-/// Whether a worker's device is a GPU (`cuda:N`, or `cuda` in a dry run).
+/// Whether a worker's device is a GPU (`cuda:N` or `vulkan:N`, or `cuda`
+/// or `vulkan` in a dry run).
 pub fn is_gpu(device: &str) -> bool {
-    device == "cuda" || device.starts_with("cuda:")
+    ["cuda", "vulkan"].iter().any(|b| {
+        device
+            .strip_prefix(b)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(':'))
+    })
 }
 
 impl<'a> Costs<'a> {
@@ -300,7 +345,10 @@ impl<'a> Costs<'a> {
         let swa = u64::from(self.swa_prefix[bu] - self.swa_prefix[au]);
         let global = u64::from(b - a) - swa;
         let masks = u64::from(swa > 0) + u64::from(global > 0);
-        let compute = self.est.bytes(embed, b > a, masks, head);
+        let mut compute = self.est.bytes(embed, b > a, masks, head);
+        if self.gpu.get(i).copied().unwrap_or(false) {
+            compute += self.est.device_copies(embed, b > a, masks, head);
+        }
         (weights, self.kv_per_layer * u64::from(b - a), compute)
     }
 
@@ -343,7 +391,7 @@ impl<'a> Costs<'a> {
             - offloaded.iter().map(|&il| self.saved(il)).sum::<u64>()
             - self.host_embed(i, range.embed, range.head);
         let kv = self.cfg.kv().bytes(hp, range.layers.len());
-        let compute = self.est.for_range(hp, range);
+        let compute = self.est.for_range(hp, range, is_gpu(&worker.device));
         StageBytes {
             weights,
             kv,

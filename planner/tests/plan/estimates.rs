@@ -29,7 +29,7 @@ fn actual_and_estimate(
     let actual = Stage::load(m.clone(), r.clone(), sc)
         .unwrap()
         .compute_bytes() as u64;
-    (actual, compute_estimate(&m.hparams, r, &c))
+    (actual, compute_estimate(&m.hparams, r, &c, false))
 }
 
 /// The compute estimate bounds what `Stage::load` really reserves, and not

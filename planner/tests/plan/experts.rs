@@ -65,7 +65,7 @@ fn without_experts(m: &ModelFile, r: &LayerRange, c: &PlanConfig) -> u64 {
     };
     m.range_weight_bytes(r) - moe_in(m, r).iter().map(|&il| saved(m, il, c)).sum::<u64>()
         + kv.bytes(&m.hparams, r.layers.len())
-        + compute_estimate(&m.hparams, r, c)
+        + compute_estimate(&m.hparams, r, c, false)
 }
 
 /// Everything a plan with expert workers promises. With `put_back`, every
@@ -99,7 +99,10 @@ fn check_expert_plan(
             n_seq: c.n_seq,
         };
         assert_eq!(b.kv, kv.bytes(hp, s.range.layers.len()));
-        assert_eq!(b.compute, compute_estimate(hp, &s.range, c));
+        assert_eq!(
+            b.compute,
+            compute_estimate(hp, &s.range, c, is_gpu(&s.device))
+        );
         assert_eq!(b.total, b.weights + b.kv + b.compute);
         assert_eq!(b.budget, budget_of(w.free_bytes, c));
         assert!(b.total <= b.budget, "stage {i} fits: {p}");

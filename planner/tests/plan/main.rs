@@ -9,7 +9,7 @@ use omni_engine::kv::KvConfig;
 use omni_engine::model::ModelFile;
 use omni_engine::stage::{LayerRange, Stage, StageConfig};
 use omni_planner::{
-    compute_estimate, expert_compute_estimate, fmt_bytes, fmt_layers, parse_size, plan,
+    compute_estimate, expert_compute_estimate, fmt_bytes, fmt_layers, is_gpu, parse_size, plan,
     plan_with_experts, work_per_token, ExpertPolicy, Plan, PlanConfig, PlanError, Split,
     WorkerSpec,
 };
@@ -92,7 +92,10 @@ fn check_plan(m: &ModelFile, ws: &[WorkerSpec], c: &PlanConfig, p: &Plan) {
             n_seq: c.n_seq,
         };
         assert_eq!(b.kv, kv.bytes(hp, s.range.layers.len()));
-        assert_eq!(b.compute, compute_estimate(hp, &s.range, c));
+        assert_eq!(
+            b.compute,
+            compute_estimate(hp, &s.range, c, is_gpu(&s.device))
+        );
         assert_eq!(b.total, b.weights + b.kv + b.compute);
         assert_eq!(b.free, w.free_bytes);
         assert_eq!(
