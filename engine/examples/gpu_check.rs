@@ -1,10 +1,13 @@
-//! Greedy tokens on a GPU against llama.cpp's own CUDA build of the same
-//! vendored source, on the same GPU (`scripts/gpu-check` runs it there).
+//! Greedy tokens on a GPU against llama.cpp's own build of the same vendored
+//! source (CUDA or Vulkan), on the same GPU (`scripts/gpu-check` runs it
+//! there; `tests/tests/vulkan.rs` runs it on lavapipe), and against omni's
+//! own CPU stage.
 //!
-//! `gpu_check [--device cuda:N] [--steps N] [--threads N] [--only SETUP,...]
-//! MODEL.gguf...` (`--device cpu`: a dry run with the GPU's part on the CPU;
-//! `--threads`: CPU threads, every core up to 16 by default; `--only`: these
-//! setups, by the names below): for each file and
+//! `gpu_check [--device cuda:N|vulkan:N] [--steps N] [--threads N]
+//! [--prompts N] [--only SETUP,...] MODEL.gguf...` (`--device cpu`: a dry
+//! run with the GPU's part on the CPU; `--threads`: CPU threads, every core
+//! up to 16 by default; `--prompts`: the first N prompts below; `--only`:
+//! these setups, by the names below): for each file and
 //! prompt (one of them over 100 tokens), the greedy ids of omni with 1 GPU
 //! stage, 2 GPU stages, a CPU stage then a GPU stage, and the CPU alone;
 //! for a MoE file also a GPU stage whose routed experts run on the CPU (the
@@ -18,6 +21,8 @@
 //! reduction order can flip such a tie; the engine tests use the same
 //! rule), or, for a MoE file in a setup that computes on both the GPU and
 //! the CPU, after at least one identical token (see `Setup::exact_reference`).
+//! Each GPU setup is also held to omni's CPU stage by the same rule (the
+//! CPU run's logits decide the near tie).
 //! Exits 1 on any other difference. It also prints what each GPU
 //! stage holds in GPU memory, and each generation's text (`text |` lines,
 //! which `scripts/gpu-check` compares with a cluster's answers).
@@ -63,11 +68,12 @@ enum Setup {
 }
 
 impl Setup {
+    /// The CPU first: its run is what the GPU setups are also held to.
     const ALL: [Setup; 6] = [
+        Setup::Cpu,
         Setup::OneGpu,
         Setup::TwoGpu,
         Setup::CpuGpu,
-        Setup::Cpu,
         Setup::GpuCpuExperts,
         Setup::GpuCpuExpertsKept,
     ];
@@ -178,19 +184,39 @@ impl Runner {
     }
 }
 
-fn greedy(r: &mut Runner, prompt: &[u32], steps: usize) -> anyhow::Result<Vec<u32>> {
+/// Each step's greedy id and the logits it was picked from.
+fn greedy(r: &mut Runner, prompt: &[u32], steps: usize) -> anyhow::Result<Reference> {
     let mut logits = r.step(prompt, 0)?;
     let mut out = Vec::with_capacity(steps);
     for i in 0..steps {
         let t = omni_engine::sampling::greedy(&logits);
-        out.push(t);
         if i + 1 == steps {
+            out.push((t, logits));
             break;
         }
-        logits = r.step(&[t], prompt.len() + i)?;
+        let next = r.step(&[t], prompt.len() + i)?;
+        out.push((t, std::mem::replace(&mut logits, next)));
     }
     r.remove_seq();
     Ok(out)
+}
+
+/// How a run's ids compare with a reference run's.
+enum Verdict {
+    Same,
+    /// The first differing step, and the reference's logit of its own pick
+    /// less its logit of ours.
+    Differs(usize, f32),
+}
+
+fn compare(ours: &[u32], reference: &Reference) -> Verdict {
+    match ours.iter().zip(reference).position(|(a, (b, _))| a != b) {
+        None => Verdict::Same,
+        Some(i) => {
+            let (want, logits) = &reference[i];
+            Verdict::Differs(i, logits[*want as usize] - logits[ours[i] as usize])
+        }
+    }
 }
 
 /// What each GPU stage of `r` holds, as the planner counts it and as ggml
@@ -277,6 +303,7 @@ fn main() -> anyhow::Result<()> {
         .map_or(1, |n| n.get())
         .min(16);
     let mut only: Option<Vec<String>> = None;
+    let mut n_prompts = PROMPTS.len();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--device" => {
@@ -288,6 +315,7 @@ fn main() -> anyhow::Result<()> {
             }
             "--steps" => steps = args.next().unwrap_or_default().parse()?,
             "--threads" => threads = args.next().unwrap_or_default().parse()?,
+            "--prompts" => n_prompts = args.next().unwrap_or_default().parse()?,
             "--only" => {
                 only = Some(
                     args.next()
@@ -302,13 +330,13 @@ fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(
         !files.is_empty(),
-        "usage: gpu_check [--device cuda:N] [--steps N] [--threads N] [--only SETUP,...] MODEL.gguf..."
+        "usage: gpu_check [--device cuda:N|vulkan:N] [--steps N] [--threads N] [--prompts N] [--only SETUP,...] MODEL.gguf..."
     );
     omni_engine::cpu_backend(None)?;
     match device {
-        Device::Cuda(idx) => {
-            // Loading our CUDA backend registers it, so llama.cpp offloads to it too.
-            let gpu = omni_engine::device::gpu_props(idx)?;
+        Device::Cuda(_) | Device::Vulkan(_) => {
+            // Loading our GPU backend registers it, so llama.cpp offloads to it too.
+            let gpu = omni_engine::device::gpu_props(device)?;
             println!(
                 "gpu_check: {device} = {} ({:.1} GiB free of {:.1}), PCI {}",
                 gpu.description,
@@ -323,6 +351,8 @@ fn main() -> anyhow::Result<()> {
     }
     println!("gpu_check: {threads} CPU threads, for omni and llama.cpp alike");
     let (mut failed, mut errors, mut ties, mut same, mut flips) = (0, 0, 0, 0, 0);
+    // Against omni's CPU stage: the same, a near tie, a MoE routing flip, different.
+    let (mut cpu_same, mut cpu_ties, mut cpu_flips, mut cpu_failed) = (0, 0, 0, 0);
     for path in &files {
         let file = path.file_name().unwrap_or_default().to_string_lossy();
         let model = match ModelFile::open(path) {
@@ -338,10 +368,13 @@ fn main() -> anyhow::Result<()> {
         let n_layer = model.hparams.n_layer;
         let prompts = PROMPTS
             .iter()
+            .take(n_prompts)
             .map(|text| Ok((*text, tokenizer.encode(text, true, false)?)))
             .collect::<anyhow::Result<Vec<_>>>()?;
         // llama.cpp's run of each prompt, once per file and placement.
         let mut references: Vec<(LlamaPlacement, Vec<Reference>)> = Vec::new();
+        // omni's CPU stage's run of each prompt (the first setup).
+        let mut on_cpu: Vec<Reference> = Vec::new();
         let setups = Setup::ALL.into_iter().filter(|s| {
             (moe || !s.moe_only())
                 && only
@@ -379,11 +412,11 @@ fn main() -> anyhow::Result<()> {
                 .find(|(p, _)| *p == place)
                 .expect("made")
                 .1;
-            for ((text, prompt), reference) in prompts.iter().zip(runs) {
+            for (k, ((text, prompt), reference)) in prompts.iter().zip(runs).enumerate() {
                 let head = format!("{file} | {name} | {} tokens {:?}", prompt.len(), {
                     text.chars().take(24).collect::<String>()
                 });
-                let ours = match greedy(&mut r, prompt, steps) {
+                let run = match greedy(&mut r, prompt, steps) {
                     Ok(t) => t,
                     Err(e) => {
                         errors += 1;
@@ -392,14 +425,14 @@ fn main() -> anyhow::Result<()> {
                         continue;
                     }
                 };
-                let verdict = match ours.iter().zip(reference).position(|(a, (b, _))| a != b) {
-                    None => {
+                let ours: Vec<u32> = run.iter().map(|(t, _)| *t).collect();
+                let verdict = match compare(&ours, reference) {
+                    Verdict::Same => {
                         same += 1;
                         "same tokens".to_string()
                     }
-                    Some(i) => {
-                        let (want, logits) = &reference[i];
-                        let gap = logits[*want as usize] - logits[ours[i] as usize];
+                    Verdict::Differs(i, gap) => {
+                        let want = reference[i].0;
                         if gap <= NEAR_TIE {
                             ties += 1;
                             format!("same up to step {i}, then a near tie (gap {gap:.3})")
@@ -419,6 +452,36 @@ fn main() -> anyhow::Result<()> {
                     }
                 };
                 println!("{head}: {verdict}");
+                if setup == Setup::Cpu {
+                    on_cpu.push(run);
+                } else if let Some(cpu) = on_cpu.get(k) {
+                    let ids: Vec<u32> = cpu.iter().map(|(t, _)| *t).collect();
+                    let v = match compare(&ours, cpu) {
+                        Verdict::Same => {
+                            cpu_same += 1;
+                            "same tokens".to_string()
+                        }
+                        Verdict::Differs(i, gap) if gap <= NEAR_TIE => {
+                            cpu_ties += 1;
+                            format!("same up to step {i}, then a near tie (gap {gap:.3})")
+                        }
+                        Verdict::Differs(i, gap) if moe && i > 0 => {
+                            cpu_flips += 1;
+                            format!(
+                                "same up to step {i}, then {} vs {} (gap {gap:.3}): a routing flip",
+                                ours[i], ids[i]
+                            )
+                        }
+                        Verdict::Differs(i, gap) => {
+                            cpu_failed += 1;
+                            format!(
+                                "DIFFERENT from step {i}: {} vs {} (gap {gap:.3})",
+                                ours[i], ids[i]
+                            )
+                        }
+                    };
+                    println!("  against omni's CPU stage: {v}");
+                }
                 println!(
                     "  text | {file} | {name} | {:?}: {}",
                     text.chars().take(24).collect::<String>(),
@@ -430,9 +493,12 @@ fn main() -> anyhow::Result<()> {
     println!(
         "gpu_check: {same} generations the same as llama.cpp's, {ties} a near tie, {flips} a MoE routing flip where llama.cpp places ops otherwise, {failed} different, {errors} errors"
     );
+    println!(
+        "gpu_check: against omni's CPU stage, {cpu_same} GPU generations the same, {cpu_ties} a near tie, {cpu_flips} a MoE routing flip, {cpu_failed} different"
+    );
     anyhow::ensure!(
-        failed == 0 && errors == 0,
-        "{failed} generations differ from llama.cpp's and {errors} failed"
+        failed == 0 && errors == 0 && cpu_failed == 0,
+        "{failed} generations differ from llama.cpp's, {cpu_failed} GPU generations from the CPU's, and {errors} failed"
     );
     println!("gpu_check: every generation matches llama.cpp's (near ties aside)");
     Ok(())

@@ -823,9 +823,9 @@ impl Drop for Supervised {
     }
 }
 
-/// The single-process engine's greedy tokens (`n_gen` each, not stopping
-/// at end of generation) for each prompt: what a cluster must return.
-pub fn engine_tokens(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Vec<u32>> {
+/// The whole model in one CPU stage in this process: 1024 cells of one
+/// sequence, 2 threads.
+pub fn cpu_engine(model: &Path) -> omni_engine::Engine {
     let cfg = omni_engine::StageConfig {
         kv: omni_engine::KvConfig {
             n_ctx: 1024,
@@ -834,7 +834,13 @@ pub fn engine_tokens(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Ve
         n_threads: 2,
         ..omni_engine::StageConfig::default()
     };
-    let mut e = omni_engine::Engine::load(model, None, cfg).unwrap();
+    omni_engine::Engine::load(model, None, cfg).unwrap()
+}
+
+/// The single-process engine's greedy tokens (`n_gen` each, not stopping
+/// at end of generation) for each prompt: what a cluster must return.
+pub fn engine_tokens(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Vec<u32>> {
+    let mut e = cpu_engine(model);
     let opts = omni_engine::GenerateOptions {
         max_tokens: n_gen,
         stop_at_eog: false,
