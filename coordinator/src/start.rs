@@ -170,10 +170,10 @@ fn memory_pool(w: &Registered) -> Option<plan::MemoryPool> {
                 name: format!("{host}'s {}", inv.device),
             }
         }
-        // A Vulkan device has no NVML record: its own memory, keyed by its
-        // number (a software device such as lavapipe computes in host RAM
+        // A GPU without an NVML record (Vulkan's): its own memory, keyed by
+        // its name (a software device such as lavapipe computes in host RAM
         // but reports a heap of its own; the plan counts it apart).
-        None if inv.device.starts_with("vulkan:") => plan::MemoryPool {
+        None if plan::is_gpu(&inv.device) => plan::MemoryPool {
             key: format!("{}/gpu/{}", inv.host_id, inv.device),
             name: format!("{host}'s {}", inv.device),
         },

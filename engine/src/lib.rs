@@ -44,7 +44,7 @@ pub use error::EngineError;
 #[cfg(feature = "ggml")]
 pub use experts::{ExpertBatch, ExpertConfig, ExpertExec, ExpertStage};
 #[cfg(feature = "ggml")]
-pub use ffi::device::{GpuProps, CUDA_LIBRARY};
+pub use ffi::device::GpuProps;
 #[cfg(feature = "ggml")]
 pub use generate::{Engine, GenerateOptions, Generation};
 pub use kv::{KvConfig, KvLayer, KvLayers};

@@ -148,13 +148,31 @@ impl ComputeEstimate {
         let swa = range.layers.clone().filter(|&il| hp.is_swa(il)).count() as u64;
         let global = range.layers.len() as u64 - swa;
         let masks = u64::from(swa > 0) + u64::from(global > 0);
-        let (embed, layers, head) = (range.embed, !range.layers.is_empty(), range.head);
-        self.bytes(embed, layers, masks, head)
-            + if gpu {
-                self.device_copies(embed, layers, masks, head)
-            } else {
-                0
-            }
+        self.bytes_on(
+            gpu,
+            range.embed,
+            !range.layers.is_empty(),
+            masks,
+            range.head,
+        )
+    }
+
+    /// [`ComputeEstimate::bytes`], with [`ComputeEstimate::device_copies`]
+    /// on a GPU.
+    pub fn bytes_on(
+        &self,
+        gpu: bool,
+        embed: bool,
+        has_layers: bool,
+        masks: u64,
+        head: bool,
+    ) -> u64 {
+        let copies = if gpu {
+            self.device_copies(embed, has_layers, masks, head)
+        } else {
+            0
+        };
+        self.bytes(embed, has_layers, masks, head) + copies
     }
 }
 
@@ -345,10 +363,8 @@ impl<'a> Costs<'a> {
         let swa = u64::from(self.swa_prefix[bu] - self.swa_prefix[au]);
         let global = u64::from(b - a) - swa;
         let masks = u64::from(swa > 0) + u64::from(global > 0);
-        let mut compute = self.est.bytes(embed, b > a, masks, head);
-        if self.gpu.get(i).copied().unwrap_or(false) {
-            compute += self.est.device_copies(embed, b > a, masks, head);
-        }
+        let gpu = self.gpu.get(i).copied().unwrap_or(false);
+        let compute = self.est.bytes_on(gpu, embed, b > a, masks, head);
         (weights, self.kv_per_layer * u64::from(b - a), compute)
     }
 

@@ -81,7 +81,7 @@ fn a_stage_on_a_gpu_names_what_is_missing() {
         eprintln!("an NVIDIA driver is installed here: scripts/gpu-check is the check");
         return;
     }
-    let lib = target_bin("omni-gpu-worker").with_file_name(omni_engine::CUDA_LIBRARY);
+    let lib = target_bin("omni-gpu-worker").with_file_name(omni_engine::GpuBackend::Cuda.library());
     let e = omni_engine::device::gpu_props(omni_engine::Device::Cuda(0))
         .unwrap_err()
         .to_string();

@@ -21,9 +21,6 @@ use llama_cpp_sys_2 as sys;
 use super::cpu_variant::{self, Reg};
 use crate::GpuBackend;
 
-/// The CUDA backend library's file name.
-pub const CUDA_LIBRARY: &str = "libggml-cuda.so";
-
 static CUDA: OnceLock<Result<Reg, String>> = OnceLock::new();
 static VULKAN: OnceLock<Result<Reg, String>> = OnceLock::new();
 
@@ -146,8 +143,8 @@ fn device_list(backend: GpuBackend, reg: sys::ggml_backend_reg_t) -> Vec<String>
 /// NVML's), Vulkan's as ggml-vulkan lists the devices it uses.
 pub fn gpu_device(backend: GpuBackend, index: u32) -> Result<GpuDevice, String> {
     let reg = reg(backend)?;
-    let devices = device_list(backend, reg);
-    let n = devices.len();
+    // SAFETY: valid registration.
+    let n = unsafe { sys::ggml_backend_reg_dev_count(reg) };
     if n == 0 && backend == GpuBackend::Vulkan {
         return Err(format!(
             "vulkan:{index} does not exist: the Vulkan backend sees no usable device. It uses \
@@ -165,7 +162,7 @@ pub fn gpu_device(backend: GpuBackend, index: u32) -> Result<GpuDevice, String> 
             if n == 0 {
                 String::new()
             } else {
-                format!(": {}", devices.join(", "))
+                format!(": {}", device_list(backend, reg).join(", "))
             }
         ));
     }

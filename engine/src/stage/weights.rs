@@ -165,21 +165,21 @@ impl Weights {
                 WeightOp::MulMatId => ggml::WeightRead::MulMatId(n_used),
                 WeightOp::Other => ggml::WeightRead::Other,
             };
-            let use_repack = repack_buft.is_some_and(|b| match op {
-                _ if device.is_some() => {
-                    let on = name != "token_embd.weight";
-                    if on && !ggml::buft_supports(b, mapped.get(idx), read) {
+            let use_repack = match device {
+                Some(d) => {
+                    let fits = name != "token_embd.weight"
+                        && ggml::buft_supports(d, mapped.get(idx), read);
+                    if !fits && name != "token_embd.weight" {
                         kept_on_host.push(name.clone());
-                        return false;
                     }
-                    on
+                    fits
                 }
-                WeightOp::MulMat => repack.dense && ggml::buft_supports(b, mapped.get(idx), read),
-                WeightOp::MulMatId => {
-                    repack.experts && ggml::buft_supports(b, mapped.get(idx), read)
-                }
-                WeightOp::Other => false,
-            });
+                None => repack_buft.is_some_and(|b| match op {
+                    WeightOp::MulMat => repack.dense,
+                    WeightOp::MulMatId => repack.experts,
+                    WeightOp::Other => false,
+                } && ggml::buft_supports(b, mapped.get(idx), read)),
+            };
             if use_repack {
                 let r = repacked.add(ty, &ne, name);
                 by_name.insert(name.clone(), Slot::Repacked(r));
