@@ -73,6 +73,25 @@ if ! ls "$out"/usr/local/bin/libggml-cpu-*.so >/dev/null 2>&1; then
     echo "build.sh: no ggml CPU backends (libggml-cpu-*.so) beside the binaries in $from" >&2
     exit 1
 fi
+# A device backend that needs a system library this base lacks (ggml-vulkan
+# needs libvulkan.so.1, which neither rust:1-bookworm nor omni-base has) is
+# left out, and said: ggml loads the backends it finds, so the image still
+# runs on the CPU (and on CUDA where that backend is here). A Vulkan image
+# needs a base with libvulkan1 and the GPU's Vulkan driver.
+kept=()
+for lib in "${libs[@]}"; do
+    case "$(basename "$lib")" in
+        libggml-vulkan.so)
+            lacks=$(LD_LIBRARY_PATH="$out/usr/local/bin" ldd "$lib" | awk '/not found/ { print $1 }' | paste -sd ' ' -)
+            if [ -n "$lacks" ]; then
+                echo "build.sh: leaving out $(basename "$lib"): this base has no $lacks (a Vulkan image needs libvulkan1 and the GPU's Vulkan driver)"
+                rm -f "$lib"
+                continue
+            fi ;;
+    esac
+    kept+=("$lib")
+done
+libs=("${kept[@]}")
 # The libraries: what ldd resolves for each binary, at the same path (the
 # loader included). The NVIDIA driver's own libraries (libcuda, NVML) are
 # not copied: the NVIDIA container runtime mounts the host's.
