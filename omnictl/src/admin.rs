@@ -138,6 +138,49 @@ pub fn token_path(addr: &str) -> std::path::PathBuf {
     base.join("omni").join(format!("admin-token-{name}"))
 }
 
+/// Where `omnictl up` records the models of a launch of several, for the
+/// first model's admin address `addr`: one line per model, `NAME ADMIN_ADDR`
+/// (beside the admin tokens, which are one per address).
+pub fn launch_path(addr: &str) -> std::path::PathBuf {
+    let token = token_path(addr);
+    let name = token
+        .file_name()
+        .map(|n| n.to_string_lossy().replacen("admin-token-", "launch-", 1))
+        .unwrap_or_default();
+    token.with_file_name(name)
+}
+
+/// The models of the launch whose first model's admin API is at `addr`,
+/// as `up` recorded them; none for a cluster of one model.
+fn launch_models(addr: &str) -> Vec<(String, String)> {
+    std::fs::read_to_string(launch_path(addr))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (name, admin) = l.trim().split_once(' ')?;
+            Some((name.to_string(), admin.trim().to_string()))
+        })
+        .collect()
+}
+
+/// The admin APIs `a` stands for: every model's of a launch of several
+/// (when its token is not given as a file, which would be one model's),
+/// else its own, unnamed.
+fn each_model(a: &AdminArgs) -> Vec<(Option<String>, AdminArgs)> {
+    let models = if a.token_file.is_none() {
+        launch_models(&a.addr())
+    } else {
+        Vec::new()
+    };
+    if models.is_empty() {
+        return vec![(None, a.clone())];
+    }
+    models
+        .into_iter()
+        .map(|(name, admin)| (Some(name), AdminArgs { admin, ..a.clone() }))
+        .collect()
+}
+
 #[derive(Args, Debug)]
 pub struct WorkersArgs {
     #[command(flatten)]
@@ -312,22 +355,63 @@ pub(crate) fn refused(s: tonic::Status) -> anyhow::Error {
     Refused(s).into()
 }
 
+/// `omnictl workers`: one cluster's workers, or every model's of a launch
+/// of several (each under its name; `--json`: `{"models": [{"name",
+/// "admin", "workers"}]}`).
 pub fn workers(a: &WorkersArgs) -> anyhow::Result<()> {
     let rt = runtime()?;
-    let ws = rt.block_on(async {
-        let mut c = admin_client(&a.admin).await?;
-        let r = c
-            .list_workers(ListWorkersRequest {})
-            .await
-            .map_err(refused)?;
-        anyhow::Ok(r.into_inner().workers)
-    });
-    let ws = ws.map_err(|e| a.admin.explain(e))?;
+    let models = each_model(&a.admin);
+    let mut all = Vec::new();
+    for (name, admin) in &models {
+        let ws = rt.block_on(async {
+            let mut c = admin_client(admin).await?;
+            let r = c
+                .list_workers(ListWorkersRequest {})
+                .await
+                .map_err(refused)?;
+            anyhow::Ok(r.into_inner().workers)
+        });
+        let ws = ws.map_err(|e| admin.explain(e));
+        let ws = match (name, ws) {
+            (Some(n), Err(e)) => Err(e.context(format!("model '{n}'"))),
+            (_, r) => r,
+        }?;
+        all.push((name, admin.addr(), ws));
+    }
+    if let [(None, _, ws)] = all.as_slice() {
+        if a.json {
+            let v: Vec<_> = ws.iter().map(worker_json).collect();
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            print!("{}", workers_table(ws));
+        }
+        return Ok(());
+    }
     if a.json {
-        let v: Vec<_> = ws.iter().map(worker_json).collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        let v: Vec<_> = all
+            .iter()
+            .map(|(name, admin, ws)| {
+                serde_json::json!({
+                    "name": name, "admin": admin,
+                    "workers": ws.iter().map(worker_json).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "models": v }))?
+        );
     } else {
-        print!("{}", workers_table(&ws));
+        for (i, (name, admin, ws)) in all.iter().enumerate() {
+            if i > 0 {
+                println!();
+            }
+            println!(
+                "model '{}' (admin {admin}):",
+                name.as_deref().unwrap_or_default()
+            );
+            print!("{}", workers_table(ws));
+        }
     }
     Ok(())
 }
@@ -436,6 +520,50 @@ pub fn plan(
 ) -> anyhow::Result<()> {
     let rt = runtime()?;
     let dry = layers.is_some() || split.is_some() || experts.is_some() || gpu_experts.is_some();
+    // The running plans of every model of a launch of several; a dry run
+    // asks the one coordinator named.
+    let models = each_model(a);
+    if !dry && models.len() > 1 {
+        let mut out = Vec::new();
+        for (name, admin) in &models {
+            let name = name.clone().unwrap_or_default();
+            let reply = rt
+                .block_on(async {
+                    let mut c = admin_client(admin).await?;
+                    anyhow::Ok(
+                        c.get_plan(GetPlanRequest {})
+                            .await
+                            .map_err(refused)?
+                            .into_inner(),
+                    )
+                })
+                .map_err(|e| admin.explain(e).context(format!("model '{name}'")))?;
+            out.push((name, admin.addr(), reply));
+        }
+        if json {
+            let v: Vec<_> = out
+                .iter()
+                .map(|(name, admin, r)| {
+                    let plan: serde_json::Value =
+                        serde_json::from_str(&r.json).unwrap_or(serde_json::Value::Null);
+                    serde_json::json!({ "name": name, "admin": admin, "plan": plan })
+                })
+                .collect();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({ "models": v }))?
+            );
+        } else {
+            for (i, (name, admin, r)) in out.iter().enumerate() {
+                if i > 0 {
+                    println!();
+                }
+                println!("model '{name}' (admin {admin}):");
+                print!("{}", r.text);
+            }
+        }
+        return Ok(());
+    }
     let reply = rt.block_on(async {
         let mut c = admin_client(a).await?;
         let r = if dry {

@@ -11,6 +11,7 @@ mod bench_move;
 mod bench_serve;
 mod fetch;
 mod generate;
+mod models;
 mod plan;
 pub mod reference;
 mod remote;
@@ -55,7 +56,7 @@ pub enum Command {
     /// Show how a model would be split across devices, and why (nothing is loaded).
     Plan(plan::PlanArgs),
     /// Start a local cluster (a coordinator and N workers) and supervise it.
-    Up(up::UpArgs),
+    Up(Box<up::UpArgs>),
     /// Cut a model into parts in llama.cpp's gguf-split layout (PREFIX-00001-of-0000N.gguf, ...).
     Split(split::SplitArgs),
     /// Join a split model's parts into one GGUF file.
@@ -92,7 +93,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", reference::markdown());
             Ok(())
         }
-        Command::Up(args) => up::run(args),
+        Command::Up(args) => up::run(*args),
         Command::Split(args) => split::split(&args),
         Command::Merge(args) => split::merge(&args),
         Command::Workers(args) => admin::workers(&args),

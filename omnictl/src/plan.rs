@@ -15,14 +15,25 @@ use omni_planner::{
 #[derive(Args, Debug)]
 #[command(
     override_usage = "omnictl plan --model M --devices NAME:SIZE,... [--counts 12,6 | --split 3,1] [OPTIONS]
+       omnictl plan --model NAME=M[,device=D+D,...] --model NAME=M[,...] --devices NAME:SIZE,... [--json]
        omnictl plan [--admin ADDR] [--counts 12,6 | --split 3,1 | --experts ..] [--json]
        omnictl plan --coordinator ADDR [--json]"
 )]
 pub struct PlanArgs {
     /// GGUF path or known model name (without it, and without
     /// --coordinator, the plan of the cluster at --admin is shown).
+    /// Repeated as NAME=PATH[,KEY=VALUE...]: several models planned
+    /// together on the same --devices (each named once, with its memory),
+    /// each model on what the ones before it left; a model's settings:
+    /// device (its stages' devices in order, joined with '+'; default: every
+    /// device), cpu-workers (expert workers on the device named cpu),
+    /// threads, ctx, seqs, experts, gpu-experts, split, counts.
     #[arg(long, short)]
-    pub model: Option<String>,
+    pub model: Vec<String>,
+    /// The host's cores, for a joint plan's thread count (default: this
+    /// machine's).
+    #[arg(long)]
+    pub cores: Option<usize>,
     /// The devices in pipeline order, each NAME:SIZE with the memory it offers
     /// (e.g. cpu:6GiB,cpu:2GiB or cuda:0:20GiB,cuda:1:8GiB). They become
     /// workers w0, w1, ...; the name is everything before the last ':'.
@@ -140,7 +151,17 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     if let Some(l) = &args.layers {
         anyhow::bail!("{}", crate::counts_not_layers(l));
     }
-    if args.admin.is_some() || args.model.is_none() {
+    if args.admin.is_none() && (args.model.len() > 1 || args.model.iter().any(|m| m.contains('=')))
+    {
+        let p = joint(args)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&p)?);
+        } else {
+            print!("{p}");
+        }
+        return Ok(());
+    }
+    if args.admin.is_some() || args.model.is_empty() {
         let addr = args
             .admin
             .clone()
@@ -178,7 +199,7 @@ pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
     }
     let workers = parse_devices(&args.devices)?;
     let expert_workers = parse_expert_devices(&args.expert_devices)?;
-    let path = crate::resolve_model(args.model.as_deref().context("--model is needed")?)?;
+    let path = crate::resolve_model(args.model.first().context("--model is needed")?)?;
     let model =
         ModelFile::open(&path).with_context(|| format!("cannot plan {}", path.display()))?;
     let cfg = PlanConfig {
@@ -195,6 +216,101 @@ pub fn make_plan(args: &PlanArgs) -> anyhow::Result<Plan> {
         gpu_experts: args.gpu_experts.unwrap_or(0),
     };
     Ok(plan_with_experts(&model, &workers, &expert_workers, &cfg)?)
+}
+
+/// Several models planned together on `--devices` (see `--model`).
+pub fn joint(args: &PlanArgs) -> anyhow::Result<omni_planner::JointPlan> {
+    use crate::models::{parse_all, plus_list, split_of, worker, PlannedModel};
+    if args.devices.is_empty() {
+        anyhow::bail!(
+            "--devices is needed with --model: every device the models share, each once with the memory it offers, e.g. --devices cuda:0:96GiB,cpu:256GiB"
+        );
+    }
+    let devices: Vec<omni_planner::JointDevice> = parse_devices(&args.devices)?
+        .into_iter()
+        .map(|w| omni_planner::JointDevice {
+            name: w.device,
+            free: w.free_bytes,
+        })
+        .collect();
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].iter().any(|o| o.name == d.name) {
+            anyhow::bail!(
+                "--devices names {} twice: with several models each device is named once, and each model says which it runs on (device=...)",
+                d.name
+            );
+        }
+    }
+    let cores = args
+        .cores
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let specs = parse_all(&args.model)?;
+    let n_models = specs.len();
+    let mut models = Vec::new();
+    for mut spec in specs {
+        let name = spec.label();
+        let stage_devices = spec
+            .take_parsed("device", |v| plus_list(v, str::parse::<String>))?
+            .unwrap_or_else(|| devices.iter().map(|d| d.name.clone()).collect());
+        let cpu_workers = spec
+            .take_parsed("cpu-workers", str::parse::<usize>)?
+            .unwrap_or(0);
+        let threads = spec.take_parsed("threads", str::parse::<usize>)?;
+        let cfg = PlanConfig {
+            n_ctx: spec
+                .take_parsed("ctx", str::parse::<usize>)?
+                .unwrap_or(args.ctx),
+            n_seq: spec
+                .take_parsed("seqs", str::parse::<usize>)?
+                .unwrap_or(args.seqs),
+            n_ubatch: args.ubatch,
+            headroom: args.headroom,
+            split: split_of(&mut spec)?,
+            experts: spec
+                .take_parsed("experts", |v| {
+                    <ExpertPolicy as clap::ValueEnum>::from_str(v, false)
+                })?
+                .or(args.experts)
+                .unwrap_or_default(),
+            gpu_experts: spec
+                .take_parsed("gpu-experts", str::parse::<u32>)?
+                .or(args.gpu_experts)
+                .unwrap_or(0),
+        };
+        spec.finish(&[
+            "device",
+            "cpu-workers",
+            "threads",
+            "ctx",
+            "seqs",
+            "experts",
+            "gpu-experts",
+            "split",
+            "counts",
+        ])?;
+        let path = crate::resolve_model(&spec.model)?;
+        let file = ModelFile::open(&path)
+            .with_context(|| format!("model '{name}': cannot read {}", path.display()))?;
+        // Threads: a model's own, else an equal share of the cores for its
+        // stages and for each of its expert workers.
+        let share = (cores / (n_models * (1 + cpu_workers))).max(1);
+        models.push(PlannedModel {
+            name,
+            file,
+            workers: stage_devices
+                .iter()
+                .enumerate()
+                .map(|(i, d)| worker(format!("w{i}"), d, None))
+                .collect(),
+            expert_workers: (0..cpu_workers)
+                .map(|i| worker(format!("c{i}"), "cpu", None))
+                .collect(),
+            cfg,
+            threads: threads.unwrap_or(share),
+            expert_threads: threads.unwrap_or(share),
+        });
+    }
+    crate::models::plan_models(&models, &devices, args.headroom, cores)
 }
 
 /// A running cluster's plan, and where each offloaded layer's experts run

@@ -16,9 +16,28 @@ use std::time::{Duration, Instant};
 
 #[derive(Args, Debug, Clone)]
 pub struct UpArgs {
-    /// GGUF path, or a known model name (fetched if missing).
-    #[arg(long, short)]
-    pub model: String,
+    /// GGUF path, or a known model name (fetched if missing). Repeat it as
+    /// NAME=PATH[,KEY=VALUE...] to serve several models together, each with
+    /// its own coordinator and workers, behind one router, planned together
+    /// before anything loads (e.g. --model oracle=r1.gguf,device=cuda:0+cuda:1,cpu-workers=1
+    /// --model executor=qwen2.5-coder-0.5b,threads=4,alias=coder). Settings:
+    /// alias (repeatable), stages, device, threads, ctx, seqs, memory,
+    /// cpu-workers, cpu-memory, experts, gpu-experts, split, counts (lists
+    /// joined with '+'); the flags below are every model's defaults.
+    #[arg(long, short, required = true)]
+    pub model: Vec<String>,
+    /// Rules for the model name `auto` at the router, tried in order:
+    /// prompt_chars>N=MODEL, keyword:WORD=MODEL, default=MODEL (repeatable,
+    /// or ';'-separated), e.g. 'prompt_chars>2000=oracle;keyword:prove=oracle;default=executor'.
+    #[arg(long, value_delimiter = ';')]
+    pub auto: Vec<String>,
+    /// The memory each worker offers, when the joint plan of several
+    /// models set it (one entry per stage worker; none: --memory).
+    #[arg(skip)]
+    pub worker_memory: Vec<Option<String>>,
+    /// Prefix of the children's names ("oracle." for several models).
+    #[arg(skip)]
+    pub prefix: String,
     /// Number of worker processes (pipeline stages).
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
@@ -142,7 +161,10 @@ impl UpArgs {
         threads: usize,
     ) -> UpArgs {
         UpArgs {
-            model: model.to_string(),
+            model: vec![model.to_string()],
+            auto: Vec::new(),
+            worker_memory: Vec::new(),
+            prefix: String::new(),
             stages,
             transport: transport.into(),
             listen: listen.to_string(),
@@ -175,6 +197,22 @@ impl UpArgs {
 
 /// OpenMP spin count for local workers (see `LocalCluster::start`).
 pub const WORKER_SPINCOUNT: &str = "10000";
+
+/// A model the router serves: its name, its coordinator, its aliases.
+struct Served {
+    name: String,
+    addr: String,
+    aliases: Vec<String>,
+}
+
+/// The name a model file is served under: its stem (a split model's prefix).
+fn served_name(model: &std::path::Path) -> String {
+    match omni_engine::gguf::split::prefix_of(model) {
+        Some((prefix, _, _)) => prefix.file_name().map(|s| s.to_os_string()),
+        None => model.file_stem().map(|s| s.to_os_string()),
+    }
+    .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+}
 
 /// A coordinator and its workers, started as children of this process.
 pub struct LocalCluster {
@@ -261,7 +299,7 @@ impl LocalCluster {
             }
         };
         traced(&mut c);
-        cluster.add("coordinator", c)?;
+        cluster.add(&format!("{}coordinator", a.prefix), c)?;
         // Workers start once the coordinator holds its port: until then a
         // worker's own port 0 could be given that very port.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -274,6 +312,7 @@ impl LocalCluster {
         for i in 0..a.stages {
             let name = format!("w{i}");
             let mut w = Command::new(&worker_bin);
+            let child_name = format!("{}{name}", a.prefix);
             // ggml's OpenMP threads spin after each graph; with several
             // stages on one machine an idle stage's spinning steals cores
             // from the busy one (2 stages ran at 0.65x of one stage with
@@ -285,15 +324,21 @@ impl LocalCluster {
                 .args(["--id", &name])
                 .args(["--threads", &threads.to_string()])
                 .args(["--register-timeout", &a.register_timeout.to_string()]);
-            if let Some(m) = &a.memory {
-                w.args(["--memory", m]);
+            if let Some(m) = a
+                .worker_memory
+                .get(i)
+                .cloned()
+                .flatten()
+                .or(a.memory.clone())
+            {
+                w.args(["--memory", &m]);
             }
             if let Some(d) = a.device.get(i).or(a.device.last()) {
                 w.args(["--device", &d.to_string()]);
             }
             traced(&mut w);
             variant(&mut w);
-            cluster.add(&name, w)?;
+            cluster.add(&child_name, w)?;
         }
         for i in 0..a.cpu_workers {
             let name = format!("c{i}");
@@ -314,37 +359,58 @@ impl LocalCluster {
             }
             traced(&mut w);
             variant(&mut w);
-            cluster.add(&name, w)?;
+            cluster.add(&format!("{}{name}", a.prefix), w)?;
         }
         if a.port != 0 {
-            // A split model is named by its prefix, not by one part.
-            let name = match omni_engine::gguf::split::prefix_of(model) {
-                Some((prefix, _, _)) => prefix.file_name().map(|s| s.to_os_string()),
-                None => model.file_stem().map(|s| s.to_os_string()),
-            }
-            .map_or("model".into(), |s| s.to_string_lossy().into_owned());
-            let mut r = Command::new(sibling_binary("omni-router")?);
-            r.args(["--listen", &format!("127.0.0.1:{}", a.port)])
-                .args([
-                    "--model",
-                    &format!("{name}={},{},default", a.listen, a.model),
-                ]);
-            // Keys reach the router as a file or through its environment
-            // (OMNI_API_KEYS here, the router's OMNI_ROUTER_API_KEY), never
-            // its command line.
-            if let Some(f) = &a.api_key_file {
-                r.arg("--api-keys-file").arg(f);
-            }
-            if let Some(k) = std::env::var("OMNI_API_KEYS")
-                .ok()
-                .filter(|k| !k.is_empty())
-            {
-                r.env("OMNI_ROUTER_API_KEY", k);
-            }
-            traced(&mut r);
-            cluster.add("router", r)?;
+            let served = [Served {
+                name: served_name(model),
+                addr: a.listen.clone(),
+                aliases: vec![a.model[0].clone(), "default".into()],
+            }];
+            cluster.add_router(a, &served)?;
         }
         Ok(cluster)
+    }
+
+    /// The OpenAI router in front of `served` (every model of the launch),
+    /// on `a.port`, with `a.auto`'s rules.
+    fn add_router(&mut self, a: &UpArgs, served: &[Served]) -> anyhow::Result<()> {
+        let mut r = Command::new(sibling_binary("omni-router")?);
+        r.args(["--listen", &format!("127.0.0.1:{}", a.port)]);
+        for m in served {
+            let mut v = format!("{}={}", m.name, m.addr);
+            for alias in &m.aliases {
+                v.push(',');
+                v.push_str(alias);
+            }
+            r.args(["--model", &v]);
+        }
+        for rule in &a.auto {
+            r.args(["--auto", rule]);
+        }
+        // Keys reach the router as a file or through its environment
+        // (OMNI_API_KEYS here, the router's OMNI_ROUTER_API_KEY), never
+        // its command line.
+        if let Some(f) = &a.api_key_file {
+            r.arg("--api-keys-file").arg(f);
+        }
+        if let Some(k) = std::env::var("OMNI_API_KEYS")
+            .ok()
+            .filter(|k| !k.is_empty())
+        {
+            r.env("OMNI_ROUTER_API_KEY", k);
+        }
+        if let Some(e) = &a.otlp_endpoint {
+            r.args(["--otlp-endpoint", e]);
+        }
+        self.add("router", r)
+    }
+
+    /// Takes `other`'s children in (another model's processes).
+    fn join(&mut self, other: LocalCluster) {
+        self.children.extend(other.children);
+        self.commands.extend(other.commands);
+        self.restarts.extend(other.restarts);
     }
 
     fn add(&mut self, name: &str, mut cmd: Command) -> anyhow::Result<()> {
@@ -366,7 +432,7 @@ impl LocalCluster {
             };
             let name = name.clone();
             let how = omni_telemetry::crash::describe(&status);
-            if name == "coordinator" || name == "router" {
+            if name.ends_with("coordinator") || name == "router" {
                 anyhow::bail!("{name} {how}; stopping the cluster (its log is above)");
             }
             let recent = &mut self.restarts[i];
@@ -428,10 +494,320 @@ impl LocalCluster {
     }
 }
 
-pub fn run(mut a: UpArgs) -> anyhow::Result<()> {
-    if a.stages == 0 {
-        anyhow::bail!("--stages must be at least 1");
+/// One model of a launch: how it is served, and its own settings (the
+/// command's flags with its `--model` settings applied; with several
+/// models, ports of its own and no router: one router serves them all).
+struct UpModel {
+    /// The name the router serves it under.
+    name: String,
+    aliases: Vec<String>,
+    args: UpArgs,
+    path: PathBuf,
+    /// Threads of its stage workers and of each of its expert workers.
+    threads: usize,
+}
+
+/// The settings a model's `--model` value may carry.
+const MODEL_SETTINGS: &[&str] = &[
+    "alias",
+    "stages",
+    "device",
+    "threads",
+    "ctx",
+    "seqs",
+    "memory",
+    "cpu-workers",
+    "cpu-memory",
+    "experts",
+    "gpu-experts",
+    "split",
+    "counts",
+    "listen",
+    "admin-listen",
+];
+
+/// `host:port` with the port moved up by `by`.
+fn port_plus(addr: &str, by: usize) -> anyhow::Result<String> {
+    if by == 0 {
+        return Ok(addr.to_string());
     }
+    let (host, port) = addr
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h, p.parse::<usize>().ok()?)))
+        .with_context(|| format!("{addr} is not HOST:PORT"))?;
+    Ok(format!("{host}:{}", port + by))
+}
+
+/// Every model of the launch with its own settings and ports.
+fn up_models(a: &UpArgs) -> anyhow::Result<Vec<UpModel>> {
+    use crate::models::{parse_all, plus_list, split_of};
+    let specs = parse_all(&a.model)?;
+    let several = specs.len() > 1;
+    let mut out = Vec::new();
+    for (i, mut spec) in specs.into_iter().enumerate() {
+        let mut m = a.clone();
+        m.model = vec![spec.model.clone()];
+        let label = spec.label();
+        let aliases = spec.take_all("alias");
+        if let Some(v) = spec.take_parsed("stages", str::parse::<usize>)? {
+            m.stages = v;
+        }
+        if let Some(v) = spec.take_parsed("device", |v| {
+            plus_list(v, str::parse::<omni_engine::Device>)
+        })? {
+            m.device = v;
+        }
+        if let Some(v) = spec.take_parsed("threads", str::parse::<usize>)? {
+            m.threads = Some(v);
+        }
+        if let Some(v) = spec.take_parsed("ctx", str::parse::<usize>)? {
+            m.ctx = v;
+        }
+        if let Some(v) = spec.take_parsed("seqs", str::parse::<usize>)? {
+            m.seqs = v;
+        }
+        if let Some(v) = spec.take_parsed("memory", |v| {
+            omni_planner::parse_size(v).map(|_| v.to_string())
+        })? {
+            m.memory = Some(v);
+        }
+        if let Some(v) = spec.take_parsed("cpu-memory", |v| {
+            omni_planner::parse_size(v).map(|_| v.to_string())
+        })? {
+            m.cpu_memory = Some(v);
+        }
+        if let Some(v) = spec.take_parsed("cpu-workers", str::parse::<usize>)? {
+            m.cpu_workers = v;
+        }
+        if let Some(v) = spec.take_parsed("experts", |v| {
+            <omni_planner::ExpertPolicy as clap::ValueEnum>::from_str(v, false)
+                .map(|_| v.to_string())
+        })? {
+            m.experts = Some(v);
+        }
+        if let Some(v) = spec.take_parsed("gpu-experts", str::parse::<u32>)? {
+            m.gpu_experts = Some(v);
+        }
+        match split_of(&mut spec)? {
+            Some(omni_planner::Split::Proportions(p)) => {
+                m.split = Some(p.iter().map(f64::to_string).collect::<Vec<_>>().join(","));
+                m.counts = None;
+            }
+            Some(omni_planner::Split::Layers(c)) => {
+                m.counts = Some(c.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
+                m.split = None;
+            }
+            None => {}
+        }
+        let listen = spec.take("listen")?;
+        let admin_listen = spec.take("admin-listen")?;
+        spec.finish(MODEL_SETTINGS)?;
+        if m.stages == 0 {
+            anyhow::bail!("model '{label}': stages must be at least 1");
+        }
+        if several {
+            // Model i: the coordinator's ports moved up by 2i (7070/7071,
+            // 7072/7073, ...) unless it names its own, its metrics by i;
+            // one router for all.
+            m.listen = match listen {
+                Some(l) => l,
+                None => port_plus(&a.listen, 2 * i)?,
+            };
+            m.admin_listen = Some(match admin_listen {
+                Some(l) => l,
+                None => port_plus(a.admin_listen.as_deref().unwrap_or("127.0.0.1:7071"), 2 * i)?,
+            });
+            m.metrics = a.metrics.as_deref().map(|x| port_plus(x, i)).transpose()?;
+            m.port = 0;
+            m.prefix = format!("{label}.");
+        } else if listen.is_some() || admin_listen.is_some() {
+            anyhow::bail!("model '{label}': listen and admin-listen are per-model settings of several models; with one, give --listen and --admin-listen");
+        }
+        out.push(UpModel {
+            name: spec.name.clone().unwrap_or_default(),
+            aliases,
+            args: m,
+            path: PathBuf::new(),
+            threads: 0,
+        });
+    }
+    // Threads: one model gets every core (its stages take turns on them);
+    // several compute at the same time, so the cores are split among them
+    // (each model's stages, and each expert worker, one share), less what
+    // the models given threads take.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !several {
+        out[0].threads = a.threads.unwrap_or(cores);
+        return Ok(out);
+    }
+    let given: usize = out
+        .iter()
+        .filter_map(|m| m.args.threads.map(|t| t * (1 + m.args.cpu_workers)))
+        .sum();
+    let groups: usize = out
+        .iter()
+        .filter(|m| m.args.threads.is_none())
+        .map(|m| 1 + m.args.cpu_workers)
+        .sum();
+    let shares = omni_planner::split_cores(cores.saturating_sub(given).max(groups), groups);
+    let mut next = 0;
+    for m in &mut out {
+        m.threads = match m.args.threads {
+            Some(t) => t,
+            None => {
+                let t = shares[next..next + 1 + m.args.cpu_workers]
+                    .iter()
+                    .copied()
+                    .min()
+                    .unwrap_or(1);
+                next += 1 + m.args.cpu_workers;
+                t
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// The memory `device` has free now (a GPU as ggml reports it).
+fn device_free(device: &str) -> anyhow::Result<u64> {
+    let d: omni_engine::Device = device.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+    if d.gpu().is_none() {
+        let mut sys = sysinfo::System::new();
+        sys.refresh_memory();
+        return Ok(sys.available_memory());
+    }
+    let p = omni_engine::device::gpu_props(d)
+        .with_context(|| format!("cannot read {device}'s memory"))?;
+    Ok(p.memory_free)
+}
+
+/// Plans every model together before anything starts (refusing a set that
+/// does not fit, naming the model, the device and the numbers), prints the
+/// plan, and caps each model's workers at its share of each device (what
+/// it takes, and an equal part of what is left), so that each
+/// coordinator's own plan, made on what its workers offer, stays inside it.
+fn plan_together(models: &mut [UpModel]) -> anyhow::Result<()> {
+    use crate::models::{worker, PlannedModel};
+    let stage_device = |a: &UpArgs, i: usize| -> String {
+        a.device
+            .get(i)
+            .or(a.device.last())
+            .map_or("cpu".into(), |d| d.to_string())
+    };
+    let mut names: Vec<String> = Vec::new();
+    let mut planned = Vec::new();
+    for m in models.iter() {
+        let a = &m.args;
+        let cap = a
+            .memory
+            .as_deref()
+            .map(omni_planner::parse_size)
+            .transpose()
+            .map_err(anyhow::Error::msg)?;
+        let cpu_cap = a
+            .cpu_memory
+            .as_deref()
+            .map(omni_planner::parse_size)
+            .transpose()
+            .map_err(anyhow::Error::msg)?;
+        let workers: Vec<_> = (0..a.stages)
+            .map(|i| worker(format!("w{i}"), &stage_device(a, i), cap))
+            .collect();
+        let experts: Vec<_> = (0..a.cpu_workers)
+            .map(|i| worker(format!("c{i}"), "cpu", cpu_cap))
+            .collect();
+        for w in workers.iter().chain(&experts) {
+            if !names.contains(&w.device) {
+                names.push(w.device.clone());
+            }
+        }
+        let file = omni_engine::ModelFile::open(&m.path)
+            .with_context(|| format!("model '{}': cannot read {}", m.name, m.path.display()))?;
+        let experts_policy = match &a.experts {
+            Some(e) => <omni_planner::ExpertPolicy as clap::ValueEnum>::from_str(e, false)
+                .map_err(anyhow::Error::msg)?,
+            None => Default::default(),
+        };
+        let split = match (&a.split, &a.counts) {
+            (Some(p), _) => Some(omni_planner::Split::Proportions(
+                p.split(',')
+                    .map(|x| x.trim().parse::<f64>())
+                    .collect::<Result<_, _>>()?,
+            )),
+            (None, Some(c)) => Some(omni_planner::Split::Layers(
+                c.split(',')
+                    .map(|x| x.trim().parse::<u32>())
+                    .collect::<Result<_, _>>()?,
+            )),
+            (None, None) => None,
+        };
+        planned.push(PlannedModel {
+            name: m.name.clone(),
+            file,
+            workers,
+            expert_workers: experts,
+            cfg: omni_planner::PlanConfig {
+                n_ctx: a.ctx,
+                n_seq: a.seqs,
+                split,
+                experts: experts_policy,
+                gpu_experts: a.gpu_experts.unwrap_or(0),
+                ..Default::default()
+            },
+            threads: m.threads,
+            expert_threads: m.threads,
+        });
+    }
+    let devices = names
+        .iter()
+        .map(|n| {
+            Ok(omni_planner::JointDevice {
+                name: n.clone(),
+                free: device_free(n)?,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let headroom = omni_planner::PlanConfig::default().headroom;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let plan = crate::models::plan_models(&planned, &devices, headroom, cores)
+        .context("the models do not fit this machine together; nothing was started")?;
+    eprint!("{plan}");
+    // Each model's share of each device, as the memory its workers offer.
+    for m in models.iter_mut() {
+        let share = |device: &str| -> Option<String> {
+            let d = plan.devices.iter().find(|d| d.name == device)?;
+            let mine = d.uses.iter().find(|u| u.model == m.name)?.total;
+            let bytes = mine + d.left / d.uses.len() as u64;
+            let offer = (bytes as f64 / (1.0 - headroom)) as u64;
+            Some(format!("{}MiB", offer >> 20))
+        };
+        let a = &m.args;
+        let mem: Vec<Option<String>> = (0..a.stages).map(|i| share(&stage_device(a, i))).collect();
+        let cpu = share("cpu");
+        // A user's own --memory, when smaller, still wins: the plan used it.
+        let smaller = |given: &Option<String>, planned: Option<String>| match (given, planned) {
+            (Some(g), Some(p)) => {
+                let (gb, pb) = (
+                    omni_planner::parse_size(g).unwrap_or(u64::MAX),
+                    omni_planner::parse_size(&p).unwrap_or(u64::MAX),
+                );
+                Some(if gb < pb { g.clone() } else { p })
+            }
+            (g, p) => p.or_else(|| g.clone()),
+        };
+        let mem = mem.into_iter().map(|p| smaller(&a.memory, p)).collect();
+        let cpu = if a.cpu_workers > 0 {
+            smaller(&a.cpu_memory, cpu)
+        } else {
+            a.cpu_memory.clone()
+        };
+        m.args.worker_memory = mem;
+        m.args.cpu_memory = cpu;
+    }
+    Ok(())
+}
+
+pub fn run(a: UpArgs) -> anyhow::Result<()> {
     if let Some(l) = &a.layers {
         anyhow::bail!("{}", crate::counts_not_layers(l));
     }
@@ -440,21 +816,53 @@ pub fn run(mut a: UpArgs) -> anyhow::Result<()> {
             "--api-key would show the key to every user of this machine (ps); put it in a file and pass --api-key-file FILE, or set OMNI_API_KEYS"
         );
     }
+    let mut models = up_models(&a)?;
+    let several = models.len() > 1;
     // Fail first on the real cause: a port in use is found here, in
     // milliseconds, not after the workers' retries.
-    check_ports(&a)?;
-    let token_note = admin_token(&mut a)?;
-    let model = crate::resolve_model(&a.model)?;
-    // Every worker gets every core: local stages share the CPUs, so the
-    // coordinator has them take turns (one micro-batch group, see the
-    // coordinator's pipeline.rs) and each step runs on all of them.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads.unwrap_or(cores);
-    let warning = a
-        .threads
-        .and_then(|t| threads_warning(a.stages, a.cpu_workers, t, cores));
-    if let Some(warning) = warning {
-        eprintln!("omnictl: warning: {warning}");
+    check_ports(&listen_addresses(&models, a.port))?;
+    let mut token_notes = Vec::new();
+    for m in &mut models {
+        token_notes.push(admin_token(&mut m.args)?);
+        m.path = crate::resolve_model(&m.args.model[0])?;
+        if m.name.is_empty() {
+            m.name = served_name(&m.path);
+        }
+        if let Some(warning) = m.args.threads.and_then(|t| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            threads_warning(m.args.stages, m.args.cpu_workers, t, cores)
+        }) {
+            eprintln!("omnictl: warning: {warning}");
+        }
+    }
+    // A launch of several models is recorded where `omnictl workers` and
+    // `plan` look for the first model's admin address, so that they show
+    // every model; a launch of one removes an old record.
+    let first_admin = models[0]
+        .args
+        .admin_listen
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1:7071".into());
+    let launch = crate::admin::launch_path(&first_admin);
+    let _ = std::fs::remove_file(&launch);
+    if several {
+        plan_together(&mut models)?;
+        let lines: String = models
+            .iter()
+            .map(|m| {
+                let admin = m.args.admin_listen.as_deref().unwrap_or_default();
+                format!("{} {admin}\n", m.name)
+            })
+            .collect();
+        if let Some(dir) = launch.parent() {
+            use std::os::unix::fs::DirBuilderExt;
+            let _ = std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir);
+        }
+        std::fs::write(&launch, lines)
+            .with_context(|| format!("cannot record the launch in {}", launch.display()))?;
     }
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -462,21 +870,48 @@ pub fn run(mut a: UpArgs) -> anyhow::Result<()> {
         let stop = stop.clone();
         ctrlc_handler(move || stop.store(true, Ordering::SeqCst))?;
     }
-    let mut cluster = LocalCluster::start(&a, &model, threads, false)?;
-    eprintln!(
-        "omnictl: started a coordinator on {} and {} worker(s) with {threads} thread(s) each{}; Ctrl-C stops them",
-        a.listen,
-        a.stages,
-        if a.cpu_workers > 0 {
-            format!(" and {} expert worker(s)", a.cpu_workers)
-        } else {
-            String::new()
+    let mut cluster: Option<LocalCluster> = None;
+    for m in &models {
+        let c = LocalCluster::start(&m.args, &m.path, m.threads, false)?;
+        match &mut cluster {
+            Some(all) => all.join(c),
+            None => cluster = Some(c),
         }
-    );
+        let a = &m.args;
+        eprintln!(
+            "omnictl: started {}a coordinator on {} and {} worker(s) with {} thread(s) each{}",
+            if several {
+                format!("'{}': ", m.name)
+            } else {
+                String::new()
+            },
+            a.listen,
+            a.stages,
+            m.threads,
+            if a.cpu_workers > 0 {
+                format!(" and {} expert worker(s)", a.cpu_workers)
+            } else {
+                String::new()
+            }
+        );
+    }
+    let mut cluster = cluster.expect("at least one model");
+    if several && a.port != 0 {
+        let served: Vec<Served> = models
+            .iter()
+            .map(|m| Served {
+                name: m.name.clone(),
+                addr: m.args.listen.clone(),
+                aliases: m.aliases.clone(),
+            })
+            .collect();
+        cluster.add_router(&a, &served)?;
+    }
+    eprintln!("omnictl: Ctrl-C stops them");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let mut announced = false;
+    let mut announced = vec![false; models.len()];
     let result = loop {
         if stop.load(Ordering::SeqCst) {
             eprintln!("omnictl: stopping the cluster");
@@ -485,69 +920,97 @@ pub fn run(mut a: UpArgs) -> anyhow::Result<()> {
         if let Err(e) = cluster.supervise() {
             break Err(e);
         }
-        if !announced {
-            if let Ok(info) = rt.block_on(crate::remote::info(&a.listen, Duration::from_secs(1))) {
-                if info.ready {
-                    announced = true;
-                    eprintln!(
-                        "omnictl: ready: {} on {} stage(s), Inference at {}",
-                        info.model_path,
-                        info.stages.len(),
-                        a.listen
-                    );
-                    for s in &info.stages {
-                        eprintln!(
-                            "omnictl:   {} ({}): {}, output over {}",
-                            s.worker_id, s.device, s.range, s.transport
-                        );
-                    }
-                    if !info.pipeline_note.is_empty() {
-                        eprintln!("omnictl:   {}", info.pipeline_note);
-                    }
-                    eprintln!(
-                        "omnictl: try: omnictl generate --coordinator {} --prompt \"The capital of France is\" -n 32",
-                        a.listen
-                    );
-                    if a.port != 0 {
-                        eprintln!(
-                            "omnictl: OpenAI API at http://127.0.0.1:{}/v1 (model \"{}\")",
-                            a.port, a.model
-                        );
-                    }
-                    eprintln!("omnictl: {token_note}");
-                }
+        for (k, m) in models.iter().enumerate() {
+            if announced[k] {
+                continue;
             }
+            let Ok(info) = rt.block_on(crate::remote::info(&m.args.listen, Duration::from_secs(1)))
+            else {
+                continue;
+            };
+            if !info.ready {
+                continue;
+            }
+            announced[k] = true;
+            let who = if several {
+                format!("'{}' ", m.name)
+            } else {
+                String::new()
+            };
+            eprintln!(
+                "omnictl: ready: {who}{} on {} stage(s), Inference at {}",
+                info.model_path,
+                info.stages.len(),
+                m.args.listen
+            );
+            for s in &info.stages {
+                eprintln!(
+                    "omnictl:   {} ({}): {}, output over {}",
+                    s.worker_id, s.device, s.range, s.transport
+                );
+            }
+            if !info.pipeline_note.is_empty() {
+                eprintln!("omnictl:   {}", info.pipeline_note);
+            }
+            eprintln!(
+                "omnictl: try: omnictl generate --coordinator {} --prompt \"The capital of France is\" -n 32",
+                m.args.listen
+            );
+            if a.port != 0 {
+                let mut names = vec![format!("\"{}\"", m.name)];
+                let aliases = if several { &m.aliases } else { &m.args.model };
+                names.extend(aliases.iter().map(|x| format!("\"{x}\"")));
+                eprintln!(
+                    "omnictl: OpenAI API at http://127.0.0.1:{}/v1 (model {})",
+                    a.port,
+                    names.join(" or ")
+                );
+            }
+            eprintln!("omnictl: {}", token_notes[k]);
         }
         std::thread::sleep(Duration::from_millis(100));
     };
     cluster.stop();
+    if several {
+        let _ = std::fs::remove_file(&launch);
+    }
     result
 }
 
-/// Every address `up` will listen on, with the flag that sets it.
-fn listen_addresses(a: &UpArgs) -> Vec<(&'static str, String)> {
-    let mut out = vec![
-        ("--listen", a.listen.clone()),
-        (
-            "--admin-listen",
+/// Every address `up` will listen on, with the flag that sets it (and the
+/// model, when there are several).
+fn listen_addresses(models: &[UpModel], port: u16) -> Vec<(String, String)> {
+    let several = models.len() > 1;
+    let mut out = Vec::new();
+    for m in models {
+        let a = &m.args;
+        let of = |flag: &str| {
+            if several {
+                format!("{flag} (model '{}')", m.args.prefix.trim_end_matches('.'))
+            } else {
+                flag.to_string()
+            }
+        };
+        out.push((of("--listen"), a.listen.clone()));
+        out.push((
+            of("--admin-listen"),
             a.admin_listen
                 .clone()
                 .unwrap_or_else(|| "127.0.0.1:7071".into()),
-        ),
-    ];
-    if let Some(m) = &a.metrics {
-        out.push(("--metrics", m.clone()));
+        ));
+        if let Some(x) = &a.metrics {
+            out.push((of("--metrics"), x.clone()));
+        }
     }
-    if a.port != 0 {
-        out.push(("--port", format!("127.0.0.1:{}", a.port)));
+    if port != 0 {
+        out.push(("--port".into(), format!("127.0.0.1:{port}")));
     }
     out
 }
 
 /// Binds every address `up` will listen on (and lets go at once), so that
 /// one in use is reported before anything starts, naming its flag.
-pub fn check_ports(a: &UpArgs) -> anyhow::Result<()> {
-    let addrs = listen_addresses(a);
+fn check_ports(addrs: &[(String, String)]) -> anyhow::Result<()> {
     for (i, (flag, addr)) in addrs.iter().enumerate() {
         if let Some((other, _)) = addrs[..i].iter().find(|(_, x)| x == addr) {
             anyhow::bail!("{other} and {flag} both name {addr}: give each its own port");

@@ -22,6 +22,7 @@
 mod cost;
 mod error;
 mod experts;
+mod joint;
 mod notes;
 mod pool;
 mod show;
@@ -41,6 +42,10 @@ pub use cost::{
     compute_estimate, expert_compute_estimate, is_gpu, work_per_token, ComputeEstimate,
 };
 pub use error::{ExpertNoFit, NoFit, PlanError, SharedNoFit};
+pub use joint::{
+    plan_jointly, split_cores, CoreUse, DeviceUse, JointDevice, JointError, JointModel, JointPlan,
+    ModelThreads, ModelUse, NamedPlan,
+};
 pub use show::fmt_layers;
 pub use spec::{
     ExpertPlan, ExpertPolicy, MemoryPool, Plan, PlanConfig, Split, StageBytes, StagePlan,
