@@ -2,8 +2,9 @@
 
 One stack for the whole module: deploy/up builds the image (base
 omni-base:bookworm, the host's binaries) and starts deploy/docker-compose.yml
-under its own project name, serving Gemma 3 270M on a free port; the last
-test takes it down and checks that nothing is left.
+under its own project name, serving Gemma 3 270M and, as its Executor (a
+second model with its own coordinator and worker), Qwen2.5-Coder 0.5B on a
+free port; the last test takes it down and checks that nothing is left.
 """
 
 import json
@@ -25,6 +26,10 @@ PROJECT = f"omni-ci-{os.getpid()}"
 IMAGE = "omni:compose-test"
 BASE = "omni-base:bookworm"
 MODEL_NAME = "gemma3-270m"
+EXECUTOR_NAME = "coder"
+# The router's auto rules: code to the Executor, long prompts and the rest
+# to the first model.
+AUTO = f"keyword:code={EXECUTOR_NAME};prompt_chars>400={MODEL_NAME};default={MODEL_NAME}"
 # An address outside the brain network that the host reaches: the Debian
 # archive this machine installs from (deploy/base-image.sh needs it too).
 OUTSIDE_NAME = "deb.debian.org"
@@ -52,6 +57,7 @@ class Stack:
         self.port = free_port()
         self.secrets = tempfile.mkdtemp(prefix="omni-secrets-")
         model = os.environ["OMNI_TEST_MODEL"]
+        executor = os.environ["OMNI_TEST_EXECUTOR"]
         self.env = dict(
             os.environ,
             COMPOSE_PROJECT_NAME=PROJECT,
@@ -60,13 +66,15 @@ class Stack:
             OMNI_BUILD_BASE=BASE,
             OMNI_SECRETS=self.secrets,
             OMNI_MODEL_NAME=MODEL_NAME,
+            OMNI_EXECUTOR_NAME=EXECUTOR_NAME,
+            OMNI_AUTO=AUTO,
             OMNI_CTX="1024",
             OMNI_SEQS="4",
         )
         self.env.pop("COMPOSE_PROFILES", None)
         t = time.monotonic()
         r = subprocess.run(
-            [UP, model], capture_output=True, text=True, timeout=1500, env=self.env
+            [UP, model, executor], capture_output=True, text=True, timeout=1500, env=self.env
         )
         self.up_seconds = time.monotonic() - t
         self.up_output = r.stdout + r.stderr
@@ -92,6 +100,11 @@ class Stack:
 
     def down(self):
         return subprocess.run([UP, "--down"], capture_output=True, text=True, timeout=300, env=self.env)
+
+    def get(self, path):
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.key}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
 
     def post(self, path, body, key=None, timeout=120):
         req = urllib.request.Request(
@@ -166,7 +179,7 @@ def tcp(container, ip, port=80):
 
 def test_every_container_is_healthy_by_its_own_exec_form_check(stack):
     c = stack.containers()
-    assert set(c) == {"coordinator", "w0", "w1", "c0", "router"}, c
+    assert set(c) == {"coordinator", "w0", "w1", "c0", "executor", "e0", "router"}, c
     for service, cid in c.items():
         info = inspect("container", cid)
         test = info["Config"]["Healthcheck"]["Test"]
@@ -180,10 +193,11 @@ def test_every_container_is_healthy_by_its_own_exec_form_check(stack):
         assert health["Log"][-1]["ExitCode"] == 0
         assert info["Config"]["Image"] == IMAGE
         assert info["Config"]["User"] == "65532:65532", service
-    # The coordinator's check asks for the Inference service, not just a
+    # The coordinators' check asks for the Inference service, not just a
     # listening port: its last probe says so.
-    out = inspect("container", c["coordinator"])["State"]["Health"]["Log"][-1]["Output"]
-    assert "omni.coordinator.v1.Inference SERVING" in out, out
+    for service in ["coordinator", "executor"]:
+        out = inspect("container", c[service])["State"]["Health"]["Log"][-1]["Output"]
+        assert "omni.coordinator.v1.Inference SERVING" in out, (service, out)
 
 
 def test_the_image_has_no_shell_no_curl_and_only_what_the_binaries_need(stack):
@@ -227,6 +241,34 @@ def test_a_chat_completion_through_the_published_port(stack):
     # The key from the secret file is what lets it in.
     status, body = stack.post("/chat/completions", {"model": MODEL_NAME, "messages": []}, key="sk-wrong")
     assert status == 401, body
+
+
+def test_both_models_answer_under_their_names_and_auto_routes_between_them(stack):
+    # deploy/up planned both together before starting them.
+    assert f"2 models planned together ({MODEL_NAME}, {EXECUTOR_NAME})" in stack.up_output, stack.up_output
+    status, listed = stack.get("/models")
+    assert status == 200, listed
+    assert {MODEL_NAME, EXECUTOR_NAME, "auto"} <= {m["id"] for m in listed["data"]}, listed
+    for name in [MODEL_NAME, EXECUTOR_NAME]:
+        status, body = stack.post(
+            "/completions",
+            {"model": name, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0},
+        )
+        assert status == 200 and body["model"] == name, body
+        assert body["usage"]["completion_tokens"] > 0, body
+    for prompt, want in [
+        ("Write some code that sorts a list.", EXECUTOR_NAME),
+        ("Tell me about the sea. " * 20, MODEL_NAME),
+        ("Hello there.", MODEL_NAME),
+    ]:
+        status, body = stack.post(
+            "/completions", {"model": "auto", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        )
+        assert status == 200, body
+        assert body["model"] == want, (prompt, body["model"])
+    # Each model's admin console runs in its own coordinator's container.
+    r = run("docker", "exec", stack.containers()["executor"], "omnictl", "workers", "--json")
+    assert [w["id"] for w in json.loads(r.stdout)] == ["e0"], r.stdout
 
 
 def test_the_admin_console_runs_inside_the_coordinator_container(stack):
@@ -275,7 +317,7 @@ def test_nothing_on_the_brain_network_reaches_outside(stack):
     assert r.returncode == 0 and r.stdout.strip(), f"control DNS from the router failed: {r}"
     r = tcp(c["router"], outside_ip)
     assert "connected" in r.stdout, f"control TCP from the router failed: {r}"
-    for service in ["coordinator", "w0", "c0"]:
+    for service in ["coordinator", "w0", "c0", "executor", "e0"]:
         r = dns(c[service])
         assert r.returncode != 0 and not r.stdout.strip(), f"{service} resolved {OUTSIDE_NAME}: {r.stdout}"
         r = tcp(c[service], outside_ip)
