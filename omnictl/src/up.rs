@@ -361,14 +361,6 @@ impl LocalCluster {
             variant(&mut w);
             cluster.add(&format!("{}{name}", a.prefix), w)?;
         }
-        if a.port != 0 {
-            let served = [Served {
-                name: served_name(model),
-                addr: a.listen.clone(),
-                aliases: vec![a.model[0].clone(), "default".into()],
-            }];
-            cluster.add_router(a, &served)?;
-        }
         Ok(cluster)
     }
 
@@ -548,7 +540,13 @@ fn up_models(a: &UpArgs) -> anyhow::Result<Vec<UpModel>> {
         let mut m = a.clone();
         m.model = vec![spec.model.clone()];
         let label = spec.label();
-        let aliases = spec.take_all("alias");
+        // One model is also served as what --model said and as "default".
+        let mut aliases = if several {
+            Vec::new()
+        } else {
+            vec![spec.model.clone(), "default".into()]
+        };
+        aliases.extend(spec.take_all("alias"));
         if let Some(v) = spec.take_parsed("stages", str::parse::<usize>)? {
             m.stages = v;
         }
@@ -618,11 +616,12 @@ fn up_models(a: &UpArgs) -> anyhow::Result<Vec<UpModel>> {
                 None => port_plus(a.admin_listen.as_deref().unwrap_or("127.0.0.1:7071"), 2 * i)?,
             });
             m.metrics = a.metrics.as_deref().map(|x| port_plus(x, i)).transpose()?;
-            m.port = 0;
             m.prefix = format!("{label}.");
         } else if listen.is_some() || admin_listen.is_some() {
             anyhow::bail!("model '{label}': listen and admin-listen are per-model settings of several models; with one, give --listen and --admin-listen");
         }
+        // The router is started apart, in front of every model.
+        m.port = 0;
         out.push(UpModel {
             name: spec.name.clone().unwrap_or_default(),
             aliases,
@@ -896,7 +895,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         );
     }
     let mut cluster = cluster.expect("at least one model");
-    if several && a.port != 0 {
+    if a.port != 0 {
         let served: Vec<Served> = models
             .iter()
             .map(|m| Served {
@@ -958,8 +957,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             );
             if a.port != 0 {
                 let mut names = vec![format!("\"{}\"", m.name)];
-                let aliases = if several { &m.aliases } else { &m.args.model };
-                names.extend(aliases.iter().map(|x| format!("\"{x}\"")));
+                names.extend(m.aliases.iter().map(|x| format!("\"{x}\"")));
                 eprintln!(
                     "omnictl: OpenAI API at http://127.0.0.1:{}/v1 (model {})",
                     a.port,
