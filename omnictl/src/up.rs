@@ -222,6 +222,10 @@ pub struct LocalCluster {
     /// When each child was restarted lately.
     restarts: Vec<Vec<Instant>>,
     quiet: bool,
+    /// A coordinator that exits is started again (its workers notice the
+    /// new process and register with it) instead of stopping everything:
+    /// with several models, so that one model's crash stays inside it.
+    pub restart_coordinators: bool,
 }
 
 /// A worker that exits more often than this within a minute is not
@@ -244,6 +248,7 @@ impl LocalCluster {
             commands: Vec::new(),
             restarts: Vec::new(),
             quiet,
+            restart_coordinators: false,
         };
         let mut c = Command::new(&coordinator_bin);
         c.arg("--model")
@@ -414,8 +419,8 @@ impl LocalCluster {
     }
 
     /// Starts again every worker that exited, as its supervisor; fails
-    /// when the coordinator or the router exited, or a worker keeps
-    /// exiting.
+    /// when the router or (unless `restart_coordinators`) a coordinator
+    /// exited, or a process keeps exiting.
     pub fn supervise(&mut self) -> anyhow::Result<()> {
         for i in 0..self.children.len() {
             let (name, child) = &mut self.children[i];
@@ -424,7 +429,7 @@ impl LocalCluster {
             };
             let name = name.clone();
             let how = omni_telemetry::crash::describe(&status);
-            if name.ends_with("coordinator") || name == "router" {
+            if name == "router" || (name.ends_with("coordinator") && !self.restart_coordinators) {
                 anyhow::bail!("{name} {how}; stopping the cluster (its log is above)");
             }
             let recent = &mut self.restarts[i];
@@ -895,6 +900,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         );
     }
     let mut cluster = cluster.expect("at least one model");
+    cluster.restart_coordinators = several;
     if a.port != 0 {
         let served: Vec<Served> = models
             .iter()

@@ -83,8 +83,8 @@ fn worker_pid(addr: &str, id: &str) -> Option<i32> {
 /// One launch, everything a user of two models notices: each model answers
 /// under its name and its alias with the tokens it gives alone; `auto`
 /// sends a request where the rules say and the answer names that model;
-/// kill -9 of one model's worker leaves the other answering at once while
-/// the supervisor brings the first back.
+/// kill -9 of one model's worker, or of its coordinator, leaves the other
+/// answering at once while the supervisor brings the first back.
 #[test]
 fn two_models_in_one_up_answer_under_their_names_route_auto_and_keep_a_crash_inside_one_model() {
     let (qwen, gemma) = (model(QWEN), model(GEMMA));
@@ -221,10 +221,58 @@ fn two_models_in_one_up_answer_under_their_names_route_auto_and_keep_a_crash_ins
         "{}",
         up.log_text()
     );
+
+    // kill -9 of the oracle's coordinator: the executor answers at once;
+    // the supervisor starts the coordinator again, its worker registers
+    // with the new one, and the oracle answers the same.
+    let coordinator = coordinator_pid(&or_addr).expect("the oracle's coordinator runs");
+    assert!(Command::new("kill")
+        .args(["-9", &coordinator.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let (status, v) = complete(&base, "executor", &json!(ex_prompt));
+    assert_eq!(
+        status, 200,
+        "the executor stopped with the oracle's coordinator: {v}"
+    );
+    assert_eq!(&v["choices"][0]["text"], ex_want);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (status, v) = complete(&base, "oracle", &json!(oracle_prompt));
+        if status == 200 {
+            assert_eq!(&v["choices"][0]["text"], oracle_want);
+            break;
+        }
+        assert_eq!(status, 503, "while the oracle's coordinator restarts: {v}");
+        assert!(
+            Instant::now() < deadline,
+            "the oracle did not come back:\n{}",
+            up.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        up.log_text()
+            .contains("omnictl: oracle.coordinator died of SIGKILL"),
+        "{}",
+        up.log_text()
+    );
     let _ = Command::new("kill")
         .args(["-TERM", &up.child.id().to_string()])
         .status();
     up.wait_exit(Duration::from_secs(20));
+}
+
+/// The pid of the coordinator that listens at `addr`.
+fn coordinator_pid(addr: &str) -> Option<i32> {
+    let want = format!("--listen\0{addr}\0");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        (cmdline.contains("omni-coordinator") && cmdline.contains(&want)).then_some(pid)
+    })
 }
 
 /// A set that does not fit together is refused before anything loads, and
