@@ -104,6 +104,23 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// `omnictl up ARGS` through the settings chain (the `[up]` table of
+/// `--config` or ./omni.toml, `OMNI_UP_*`, the flags): `argv` is what
+/// follows `up`.
+pub fn up_from_chain(argv: &[std::ffi::OsString], env: &[(String, String)]) -> anyhow::Result<()> {
+    let cmd = <up::UpArgs as clap::Args>::augment_args(clap::Command::new("omnictl up"))
+        .about("Start a local cluster (a coordinator and N workers) and supervise it.");
+    let parsed =
+        omni_runtime::start::parse::<up::UpArgs>("omnictl up", cmd, up::SERVICE, argv, env, false)
+            .unwrap_or_else(|e| e.exit("omnictl up"));
+    let mut a = parsed.settings.expect("parsed without print-config");
+    if a.model.is_empty() {
+        let file = parsed.merged.file.clone().unwrap_or_default();
+        a.model = up::file_models(&parsed.merged.structured, &file)?;
+    }
+    up::run(a)
+}
+
 /// The error for `--layers 12,6` where layer counts are meant: counts are
 /// `--counts` everywhere, `--layers` is a range (rebalance's).
 pub(crate) fn counts_not_layers(given: &str) -> String {

@@ -24,8 +24,16 @@ pub struct UpArgs {
     /// alias (repeatable), stages, device, threads, ctx, seqs, memory,
     /// cpu-workers, cpu-memory, experts, gpu-experts, split, counts (lists
     /// joined with '+'); the flags below are every model's defaults.
-    #[arg(long, short, required = true)]
+    #[arg(long, short)]
     pub model: Vec<String>,
+    /// A settings file (default: ./omni.toml when there is one, or
+    /// OMNI_CONFIG): its [up] table takes these flags' names as keys
+    /// (`stages = 2`, `auto = [...]`), and its [[up.models]] tables the
+    /// models (`name`, `model`, and the settings above: `device = ["cuda:0",
+    /// "cpu"]`, `alias = ["coder"]`, `threads = 8`, ...), which --model
+    /// replaces. OMNI_UP_<FLAG> variables come between the file and the flags.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Rules for the model name `auto` at the router, tried in order:
     /// prompt_chars>N=MODEL, keyword:WORD=MODEL, default=MODEL (repeatable,
     /// or ';'-separated), e.g. 'prompt_chars>2000=oracle;keyword:prove=oracle;default=executor'.
@@ -162,6 +170,7 @@ impl UpArgs {
     ) -> UpArgs {
         UpArgs {
             model: vec![model.to_string()],
+            config: None,
             auto: Vec::new(),
             worker_memory: Vec::new(),
             prefix: String::new(),
@@ -535,6 +544,85 @@ fn port_plus(addr: &str, by: usize) -> anyhow::Result<String> {
     Ok(format!("{host}:{}", port + by))
 }
 
+/// `omnictl up`'s place in the settings chain: the `[up]` table of the
+/// config file, `OMNI_UP_<FLAG>` variables, then the flags.
+pub const SERVICE: omni_runtime::config::Service = omni_runtime::config::Service {
+    table: "up",
+    env_prefix: "OMNI_UP_",
+    not_settings: &[],
+    structured: &["models"],
+};
+
+/// The config file's `[[up.models]]` tables as `--model` values
+/// (`NAME=MODEL,KEY=VALUE...`, a list's items joined with `+`, `alias`
+/// repeated), so that they go through the same checks as the flag.
+pub fn file_models(
+    structured: &toml::Table,
+    file: &std::path::Path,
+) -> anyhow::Result<Vec<String>> {
+    let Some(models) = structured.get("models") else {
+        return Ok(Vec::new());
+    };
+    let bad = |why: String| anyhow::anyhow!("{}: [[up.models]]: {why}", file.display());
+    let models = models
+        .as_array()
+        .ok_or_else(|| bad("must be tables, as [[up.models]]".into()))?;
+    let scalar = |v: &toml::Value| -> Option<String> {
+        match v {
+            toml::Value::String(s) => Some(s.clone()),
+            toml::Value::Integer(i) => Some(i.to_string()),
+            toml::Value::Float(f) => Some(f.to_string()),
+            toml::Value::Boolean(b) => Some(b.to_string()),
+            _ => None,
+        }
+    };
+    let mut out = Vec::new();
+    for (i, m) in models.iter().enumerate() {
+        let t = m
+            .as_table()
+            .ok_or_else(|| bad(format!("entry {} is not a table", i + 1)))?;
+        let get = |k: &str| t.get(k).and_then(toml::Value::as_str);
+        let name = get("name").ok_or_else(|| bad(format!("entry {} has no name", i + 1)))?;
+        let model = get("model").ok_or_else(|| {
+            bad(format!(
+                "model '{name}' has no model (a path or a known name)"
+            ))
+        })?;
+        let mut spec = format!("{name}={model}");
+        for (k, v) in t
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "name" | "model"))
+        {
+            let key = k.replace('_', "-");
+            match v {
+                toml::Value::Array(items) => {
+                    let items = items
+                        .iter()
+                        .map(|x| scalar(x).ok_or_else(|| bad(format!("model '{name}': {k} holds a value that is not a string or number"))))
+                        .collect::<anyhow::Result<Vec<_>>>()?;
+                    if key == "alias" {
+                        for a in items {
+                            spec.push_str(&format!(",alias={a}"));
+                        }
+                    } else {
+                        spec.push_str(&format!(",{key}={}", items.join("+")));
+                    }
+                }
+                v => {
+                    let v = scalar(v).ok_or_else(|| {
+                        bad(format!(
+                            "model '{name}': {k} is not a string, number or list"
+                        ))
+                    })?;
+                    spec.push_str(&format!(",{key}={v}"));
+                }
+            }
+        }
+        out.push(spec);
+    }
+    Ok(out)
+}
+
 /// Every model of the launch with its own settings and ports.
 fn up_models(a: &UpArgs) -> anyhow::Result<Vec<UpModel>> {
     use crate::models::{parse_all, plus_list, split_of};
@@ -818,6 +906,11 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     if a.api_key.is_some() {
         anyhow::bail!(
             "--api-key would show the key to every user of this machine (ps); put it in a file and pass --api-key-file FILE, or set OMNI_API_KEYS"
+        );
+    }
+    if a.model.is_empty() {
+        anyhow::bail!(
+            "no model: give --model PATH_OR_NAME (or NAME=PATH, repeated, for several), or [[up.models]] tables in omni.toml's [up]"
         );
     }
     let mut models = up_models(&a)?;

@@ -277,7 +277,8 @@ fn coordinator_pid(addr: &str) -> Option<i32> {
 
 /// A set that does not fit together is refused before anything loads, and
 /// the refusal names both models, the device and the numbers; the dry run
-/// shows each model's share of the device.
+/// shows each model's share of the device; omni.toml's [[up.models]] give
+/// the same launch.
 #[test]
 fn a_joint_plan_that_does_not_fit_is_refused_naming_both_models() {
     let (qwen, gemma) = (model(QWEN), model(GEMMA));
@@ -353,4 +354,36 @@ fn a_joint_plan_that_does_not_fit_is_refused_naming_both_models() {
         "{err}"
     );
     assert!(!err.contains("coordinator]"), "something started: {err}");
+
+    // The same launch from omni.toml's [up] and [[up.models]] tables is
+    // refused the same; a misspelt setting there is named with its model.
+    let file = state.path().join("omni.toml");
+    let toml = |oracle_memory_key: &str| {
+        format!(
+            "[up]\nstages = 1\nport = 0\nlisten = \"127.0.0.1:{}\"\nadmin_listen = \"127.0.0.1:{}\"\n\n\
+             [[up.models]]\nname = \"executor\"\nmodel = \"{}\"\nctx = 512\nseqs = 2\nalias = [\"coder\"]\n\n\
+             [[up.models]]\nname = \"oracle\"\nmodel = \"{}\"\nctx = 512\nseqs = 2\n{oracle_memory_key} = \"{}MiB\"\n",
+            free_port(),
+            free_port(),
+            qwen.display(),
+            gemma.display(),
+            (or / 2) >> 20
+        )
+    };
+    for (key, want) in [
+        ("memory", "model 'oracle' does not fit beside 'executor'"),
+        ("memroy", "model 'oracle': unknown setting 'memroy'"),
+    ] {
+        std::fs::write(&file, toml(key)).unwrap();
+        let out = omnictl()
+            .arg("up")
+            .arg("--config")
+            .arg(&file)
+            .env("XDG_STATE_HOME", state.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{key}: {err}");
+        assert!(!err.contains("coordinator]"), "something started: {err}");
+    }
 }
