@@ -166,7 +166,7 @@ fn launch_models(addr: &str) -> Vec<(String, String)> {
 /// The admin APIs `a` stands for: every model's of a launch of several
 /// (when its token is not given as a file, which would be one model's),
 /// else its own, unnamed.
-fn each_model(a: &AdminArgs) -> Vec<(Option<String>, AdminArgs)> {
+pub(crate) fn each_model(a: &AdminArgs) -> Vec<(Option<String>, AdminArgs)> {
     let models = if a.token_file.is_none() {
         launch_models(&a.addr())
     } else {

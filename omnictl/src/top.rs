@@ -219,17 +219,40 @@ fn run_view(a: &TopArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let mut client = rt.block_on(admin_client(&a.admin))?;
+    // One model's cluster, or every model of a launch of several (each
+    // its own section, under its name).
+    let models = crate::admin::each_model(&a.admin);
+    let mut clients = Vec::new();
+    for (name, admin) in &models {
+        let c = rt.block_on(admin_client(admin)).map_err(|e| match name {
+            Some(n) => admin.explain(e).context(format!("model '{n}'")),
+            None => e,
+        })?;
+        clients.push((name.clone(), c));
+    }
     let interval = Duration::from_secs_f64(a.interval.max(0.1));
-    let mut snap = || -> anyhow::Result<Sample> {
-        let reply = rt
-            .block_on(client.list_workers(ListWorkersRequest {}))
-            .map_err(crate::admin::refused)?
-            .into_inner();
-        Ok(Sample {
-            at: Instant::now(),
-            reply,
-        })
+    let mut snap = || -> anyhow::Result<Vec<Sample>> {
+        let mut out = Vec::new();
+        for (name, client) in &mut clients {
+            let mut reply = rt
+                .block_on(client.list_workers(ListWorkersRequest {}))
+                .map_err(crate::admin::refused)?
+                .into_inner();
+            if let Some(n) = name {
+                reply.model = format!("'{n}' {}", reply.model);
+            }
+            out.push(Sample {
+                at: Instant::now(),
+                reply,
+            });
+        }
+        Ok(out)
+    };
+    let frames = |now: &[Sample], before: Option<&Vec<Sample>>| -> Vec<Frame> {
+        now.iter()
+            .enumerate()
+            .map(|(i, s)| frame(s, before.and_then(|b| b.get(i))))
+            .collect()
     };
     use std::io::IsTerminal;
     let terminal = std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
@@ -240,61 +263,72 @@ fn run_view(a: &TopArgs) -> anyhow::Result<()> {
         let first = snap()?;
         std::thread::sleep(interval);
         let second = snap()?;
-        print!("{}", text(&frame(&second, Some(&first))));
+        let texts: Vec<String> = frames(&second, Some(&first)).iter().map(text).collect();
+        print!("{}", texts.join("\n"));
         return Ok(());
     }
     let mut terminal = ratatui::init();
     let result = (|| -> anyhow::Result<()> {
-        let mut before: Option<Sample> = None;
+        let mut before: Option<Vec<Sample>> = None;
         let mut now = snap()?;
         loop {
-            let f = frame(&now, before.as_ref());
+            let fs = frames(&now, before.as_ref());
             terminal.draw(|t| {
-                let [top, body, foot] = Layout::vertical([
-                    Constraint::Length(1),
-                    Constraint::Min(3),
-                    Constraint::Length(1),
-                ])
-                .areas(t.area());
-                t.render_widget(
-                    Paragraph::new(f.title.clone())
-                        .style(Style::default().add_modifier(Modifier::BOLD)),
-                    top,
-                );
-                let rows = f.rows.iter().zip(&f.healthy).map(|(r, ok)| {
-                    let style = if *ok {
-                        Style::default()
+                // Each model: its title, then its table (a border line, the
+                // header, a row per worker); the last one takes what is left.
+                let mut constraints: Vec<Constraint> = Vec::new();
+                for (i, f) in fs.iter().enumerate() {
+                    constraints.push(Constraint::Length(1));
+                    constraints.push(if i + 1 == fs.len() {
+                        Constraint::Min(3)
                     } else {
-                        Style::default().fg(Color::Red)
-                    };
-                    (r, style)
-                });
-                // The columns that fit the terminal, each as wide as its
-                // widest cell, so that none runs into the next.
-                let keep = fit(&column_widths(&f), usize::from(body.width));
-                let widths = keep
-                    .iter()
-                    .map(|&i| Constraint::Length(column_widths(&f)[i] as u16));
-                let rows = rows.map(|(r, style)| {
-                    Row::new(keep.iter().map(|&i| Cell::from(r[i].clone()))).style(style)
-                });
-                t.render_widget(
-                    Table::new(rows, widths)
-                        .column_spacing(SPACING as u16)
-                        .header(
-                            Row::new(keep.iter().map(|&i| f.header[i]))
-                                .style(Style::default().add_modifier(Modifier::BOLD)),
-                        )
-                        .block(Block::default().borders(Borders::TOP)),
-                    body,
-                );
+                        Constraint::Length(f.rows.len() as u16 + 2)
+                    });
+                }
+                constraints.push(Constraint::Length(1));
+                let areas = Layout::vertical(constraints).split(t.area());
+                for (i, f) in fs.iter().enumerate() {
+                    let (top, body) = (areas[2 * i], areas[2 * i + 1]);
+                    t.render_widget(
+                        Paragraph::new(f.title.clone())
+                            .style(Style::default().add_modifier(Modifier::BOLD)),
+                        top,
+                    );
+                    let rows = f.rows.iter().zip(&f.healthy).map(|(r, ok)| {
+                        let style = if *ok {
+                            Style::default()
+                        } else {
+                            Style::default().fg(Color::Red)
+                        };
+                        (r, style)
+                    });
+                    // The columns that fit the terminal, each as wide as its
+                    // widest cell, so that none runs into the next.
+                    let keep = fit(&column_widths(f), usize::from(body.width));
+                    let widths = keep
+                        .iter()
+                        .map(|&i| Constraint::Length(column_widths(f)[i] as u16));
+                    let rows = rows.map(|(r, style)| {
+                        Row::new(keep.iter().map(|&i| Cell::from(r[i].clone()))).style(style)
+                    });
+                    t.render_widget(
+                        Table::new(rows, widths)
+                            .column_spacing(SPACING as u16)
+                            .header(
+                                Row::new(keep.iter().map(|&i| f.header[i]))
+                                    .style(Style::default().add_modifier(Modifier::BOLD)),
+                            )
+                            .block(Block::default().borders(Borders::TOP)),
+                        body,
+                    );
+                }
                 t.render_widget(
                     Paragraph::new(format!(
                         "refresh every {:.1}s from the admin API at {} | q quits",
                         interval.as_secs_f64(),
                         a.admin.admin
                     )),
-                    foot,
+                    areas[areas.len() - 1],
                 );
             })?;
             let deadline = Instant::now() + interval;

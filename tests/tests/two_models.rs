@@ -126,8 +126,8 @@ fn two_models_in_one_up_answer_under_their_names_route_auto_and_keep_a_crash_ins
     );
     let base = format!("127.0.0.1:{port}");
 
-    // One admin view: `omnictl workers` and `plan` at the first model's
-    // admin address show both models.
+    // One admin view: `omnictl workers`, `plan` and `top` at the first
+    // model's admin address show both models.
     for verb in ["workers", "plan"] {
         let out = omnictl()
             .args([verb, "--admin", &ex_admin, "--json"])
@@ -148,6 +148,19 @@ fn two_models_in_one_up_answer_under_their_names_route_auto_and_keep_a_crash_ins
             .collect();
         assert_eq!(names, ["executor", "oracle"], "{verb}: {v}");
     }
+    let out = omnictl()
+        .args(["top", "--once", "--interval", "0.2", "--admin", &ex_admin])
+        .env("XDG_STATE_HOME", dir.path())
+        .output()
+        .unwrap();
+    let top = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && top.contains("omni: 'executor' ")
+            && top.contains("omni: 'oracle' "),
+        "top: {top}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // Each under its name and alias, as it answers alone.
     let cases = [
