@@ -4,7 +4,7 @@
 //! router; planned together before anything loads.
 
 use omni_tests::fixtures::{model, GEMMA, QWEN};
-use omni_tests::{free_port, http, short_prompts, target_bin, Proc};
+use omni_tests::{free_port, http_with_head, short_prompts, target_bin, Proc};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
@@ -41,14 +41,22 @@ fn complete(base: &str, model: &str, prompt: &Value) -> (u16, Value) {
         "temperature": 0,
         "ignore_eos": true,
     });
-    let (status, text) = http(
+    let (status, head, text) = http_with_head(
         base,
         "POST",
         "/v1/completions",
         &[("Content-Type", "application/json")],
         body.to_string().as_bytes(),
     );
-    let v = serde_json::from_str(&text).unwrap_or_else(|_| json!({ "raw": text }));
+    let mut v = serde_json::from_str(&text).unwrap_or_else(|_| json!({ "raw": text }));
+    if status == 503 {
+        // A model that is down says when to try again.
+        assert!(
+            head.to_ascii_lowercase().contains("retry-after:"),
+            "503 without Retry-After: {head}"
+        );
+        v["retry_after"] = json!(true);
+    }
     (status, v)
 }
 
