@@ -375,6 +375,16 @@ impl LocalCluster {
             variant(&mut w);
             cluster.add(&format!("{}{name}", a.prefix), w)?;
         }
+        // A cluster of its own (the benchmarks'): its router too. `run`
+        // starts one router in front of every model instead.
+        if a.port != 0 {
+            let served = [Served {
+                name: served_name(model),
+                addr: a.listen.clone(),
+                aliases: vec![a.model[0].clone(), "default".into()],
+            }];
+            cluster.add_router(a, &served)?;
+        }
         Ok(cluster)
     }
 

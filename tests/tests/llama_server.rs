@@ -61,6 +61,13 @@ impl LlamaServer {
         let addr = format!("127.0.0.1:{}", free_port());
         let (host, port) = addr.split_once(':').unwrap();
         let mut cmd = Command::new(llama_server_bin());
+        // Its own libraries (RUNPATH $ORIGIN), not omni's: `cargo test`
+        // puts target/release/deps on LD_LIBRARY_PATH, whose libggml.so.0
+        // (llama-cpp-sys-2's) loads CPU variants from its build folder,
+        // AMX one included; on a VM that reports AMX without enabling it
+        // that variant dies of SIGILL (scripts/llama-bench leaves it out
+        // of the tool's own folder for that reason).
+        cmd.env_remove("LD_LIBRARY_PATH");
         cmd.arg("-m")
             .arg(model)
             .args(["--host", host, "--port", port])
