@@ -151,8 +151,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     if let Some(l) = &args.layers {
         anyhow::bail!("{}", crate::counts_not_layers(l));
     }
-    if args.admin.is_none() && (args.model.len() > 1 || args.model.iter().any(|m| m.contains('=')))
-    {
+    // Several models, or one with a name (NAME=PATH): the joint plan.
+    let named =
+        || crate::models::parse_all(&args.model).is_ok_and(|m| m.iter().any(|s| s.name.is_some()));
+    if args.admin.is_none() && (args.model.len() > 1 || named()) {
         let p = joint(args)?;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&p)?);

@@ -344,13 +344,22 @@ pub fn split_cores(cores: usize, groups: usize) -> Vec<usize> {
 impl fmt::Display for JointPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
-        writeln!(
-            f,
-            "{} models planned together ({}), each on what the ones before it left; headroom {}%",
-            self.models.len(),
-            names.join(", "),
-            pct(self.headroom)
-        )?;
+        if self.models.len() > 1 {
+            writeln!(
+                f,
+                "{} models planned together ({}), each on what the ones before it left; headroom {}%",
+                self.models.len(),
+                names.join(", "),
+                pct(self.headroom)
+            )?;
+        } else {
+            writeln!(
+                f,
+                "1 model ({}); headroom {}%",
+                names.join(", "),
+                pct(self.headroom)
+            )?;
+        }
         let header = [
             "device",
             "model",
