@@ -387,31 +387,51 @@ pub fn workers(a: &WorkersArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if a.json {
-        let v: Vec<_> = all
+    let sections = all.iter().map(|(name, admin, ws)| ModelSection {
+        name: name.as_deref().unwrap_or_default().to_string(),
+        admin: admin.clone(),
+        key: "workers",
+        json: serde_json::Value::Array(ws.iter().map(worker_json).collect()),
+        text: workers_table(ws),
+    });
+    print_models(sections, a.json)
+}
+
+/// One model's part of an admin verb's answer for a launch of several.
+struct ModelSection {
+    name: String,
+    admin: String,
+    /// The JSON key of `json` beside `name` and `admin`.
+    key: &'static str,
+    json: serde_json::Value,
+    text: String,
+}
+
+/// Every model's section: `{"models": [{"name", "admin", KEY}]}` with
+/// `json`, else each text under its model's heading.
+fn print_models(sections: impl Iterator<Item = ModelSection>, json: bool) -> anyhow::Result<()> {
+    let sections: Vec<ModelSection> = sections.collect();
+    if json {
+        let v: Vec<_> = sections
             .iter()
-            .map(|(name, admin, ws)| {
-                serde_json::json!({
-                    "name": name, "admin": admin,
-                    "workers": ws.iter().map(worker_json).collect::<Vec<_>>(),
-                })
+            .map(|m| {
+                let mut o = serde_json::json!({ "name": m.name, "admin": m.admin });
+                o[m.key] = m.json.clone();
+                o
             })
             .collect();
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({ "models": v }))?
         );
-    } else {
-        for (i, (name, admin, ws)) in all.iter().enumerate() {
-            if i > 0 {
-                println!();
-            }
-            println!(
-                "model '{}' (admin {admin}):",
-                name.as_deref().unwrap_or_default()
-            );
-            print!("{}", workers_table(ws));
+        return Ok(());
+    }
+    for (i, m) in sections.iter().enumerate() {
+        if i > 0 {
+            println!();
         }
+        println!("model '{}' (admin {}):", m.name, m.admin);
+        print!("{}", m.text);
     }
     Ok(())
 }
@@ -540,29 +560,14 @@ pub fn plan(
                 .map_err(|e| admin.explain(e).context(format!("model '{name}'")))?;
             out.push((name, admin.addr(), reply));
         }
-        if json {
-            let v: Vec<_> = out
-                .iter()
-                .map(|(name, admin, r)| {
-                    let plan: serde_json::Value =
-                        serde_json::from_str(&r.json).unwrap_or(serde_json::Value::Null);
-                    serde_json::json!({ "name": name, "admin": admin, "plan": plan })
-                })
-                .collect();
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&serde_json::json!({ "models": v }))?
-            );
-        } else {
-            for (i, (name, admin, r)) in out.iter().enumerate() {
-                if i > 0 {
-                    println!();
-                }
-                println!("model '{name}' (admin {admin}):");
-                print!("{}", r.text);
-            }
-        }
-        return Ok(());
+        let sections = out.into_iter().map(|(name, admin, r)| ModelSection {
+            name,
+            admin,
+            key: "plan",
+            json: serde_json::from_str(&r.json).unwrap_or(serde_json::Value::Null),
+            text: r.text,
+        });
+        return print_models(sections, json);
     }
     let reply = rt.block_on(async {
         let mut c = admin_client(a).await?;

@@ -221,27 +221,7 @@ fn two_models_in_one_up_answer_under_their_names_route_auto_and_keep_a_crash_ins
     assert_eq!(&v["choices"][0]["text"], oracle_want);
     // The executor comes back (503 with Retry-After until then) and answers the same.
     let (_, ex_prompt, ex_want) = &wants[0];
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (status, v) = complete(&base, "executor", &json!(ex_prompt));
-        if status == 200 {
-            assert_eq!(&v["choices"][0]["text"], ex_want);
-            break;
-        }
-        assert_eq!(status, 503, "while the executor recovers: {v}");
-        assert!(
-            Instant::now() < deadline,
-            "the executor did not come back:\n{}",
-            up.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    assert!(
-        up.log_text()
-            .contains("omnictl: executor.w0 died of SIGKILL"),
-        "{}",
-        up.log_text()
-    );
+    comes_back(&base, &up, "executor", ex_prompt, ex_want, "executor.w0");
 
     // kill -9 of the oracle's coordinator: the executor answers at once;
     // the supervisor starts the coordinator again, its worker registers
@@ -258,31 +238,44 @@ fn two_models_in_one_up_answer_under_their_names_route_auto_and_keep_a_crash_ins
         "the executor stopped with the oracle's coordinator: {v}"
     );
     assert_eq!(&v["choices"][0]["text"], ex_want);
+    comes_back(
+        &base,
+        &up,
+        "oracle",
+        oracle_prompt,
+        oracle_want,
+        "oracle.coordinator",
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &up.child.id().to_string()])
+        .status();
+    up.wait_exit(Duration::from_secs(20));
+}
+
+/// After `killed` died of SIGKILL (as `up`'s log says), `model` answers
+/// `prompt` with `want` again within 2 minutes, 503 until then.
+fn comes_back(base: &str, up: &Proc, model: &str, prompt: &[u32], want: &str, killed: &str) {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let (status, v) = complete(&base, "oracle", &json!(oracle_prompt));
+        let (status, v) = complete(base, model, &json!(prompt));
         if status == 200 {
-            assert_eq!(&v["choices"][0]["text"], oracle_want);
+            assert_eq!(v["choices"][0]["text"], want);
             break;
         }
-        assert_eq!(status, 503, "while the oracle's coordinator restarts: {v}");
+        assert_eq!(status, 503, "while {model} recovers: {v}");
         assert!(
             Instant::now() < deadline,
-            "the oracle did not come back:\n{}",
+            "{model} did not come back:\n{}",
             up.log_text()
         );
         std::thread::sleep(Duration::from_millis(500));
     }
     assert!(
         up.log_text()
-            .contains("omnictl: oracle.coordinator died of SIGKILL"),
+            .contains(&format!("omnictl: {killed} died of SIGKILL")),
         "{}",
         up.log_text()
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &up.child.id().to_string()])
-        .status();
-    up.wait_exit(Duration::from_secs(20));
 }
 
 /// The pid of the coordinator that listens at `addr`.
