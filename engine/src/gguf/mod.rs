@@ -13,6 +13,7 @@
 mod parse;
 pub mod split;
 mod types;
+pub mod write;
 
 use memmap2::Mmap;
 use parse::{parse_header, required};

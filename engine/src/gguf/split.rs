@@ -10,7 +10,10 @@
 //! part, the whole file again): `omnictl split` and `omnictl merge`.
 
 use super::parse;
-use super::{Gguf, GgufError, Header, OnceLock, Part, Result, TensorInfo, DEFAULT_ALIGNMENT};
+use super::write::{put_kv, put_str};
+use super::{
+    Gguf, GgufError, Header, OnceLock, Part, Result, TensorInfo, Value, DEFAULT_ALIGNMENT,
+};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -327,9 +330,13 @@ pub fn write(
         };
         let mut split_kvs = Vec::new();
         if n > 1 {
-            put_kv_u16(&mut split_kvs, KEY_NO, i as u16);
-            put_kv_u16(&mut split_kvs, KEY_COUNT, n as u16);
-            put_kv_i32(&mut split_kvs, KEY_TENSORS, g.tensors().len() as i32);
+            put_kv(&mut split_kvs, KEY_NO, &Value::U16(i as u16));
+            put_kv(&mut split_kvs, KEY_COUNT, &Value::U16(n as u16));
+            put_kv(
+                &mut split_kvs,
+                KEY_TENSORS,
+                &Value::I32(g.tensors().len() as i32),
+            );
         }
         let mut head = Vec::new();
         head.extend_from_slice(b"GGUF");
@@ -343,7 +350,7 @@ pub fn write(
         let mut offset = 0u64;
         for &t in part {
             let t = &g.tensors()[t];
-            put_str(&mut head, &t.name);
+            put_str(&mut head, t.name.as_bytes());
             head.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
             for d in &t.dims {
                 head.extend_from_slice(&d.to_le_bytes());
@@ -370,24 +377,6 @@ pub fn write(
         std::fs::rename(&tmp, out).map_err(io)?;
     }
     Ok(())
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// GGUF value types (gguf.h): UINT16 = 2, INT32 = 5.
-fn put_kv_u16(out: &mut Vec<u8>, key: &str, v: u16) {
-    put_str(out, key);
-    out.extend_from_slice(&2u32.to_le_bytes());
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-fn put_kv_i32(out: &mut Vec<u8>, key: &str, v: i32) {
-    put_str(out, key);
-    out.extend_from_slice(&5u32.to_le_bytes());
-    out.extend_from_slice(&v.to_le_bytes());
 }
 
 impl Gguf {

@@ -112,50 +112,7 @@ pub fn synthetic(file: &str) -> std::path::PathBuf {
 
 use omni_engine::gguf::Value;
 
-pub fn put_str(out: &mut Vec<u8>, s: &[u8]) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s);
-}
-
-pub fn value_type(v: &Value) -> u32 {
-    match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::String(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    }
-}
-
-pub fn put_value(out: &mut Vec<u8>, v: &Value) {
-    match v {
-        Value::U8(x) => out.extend(x.to_le_bytes()),
-        Value::I8(x) => out.extend(x.to_le_bytes()),
-        Value::U16(x) => out.extend(x.to_le_bytes()),
-        Value::I16(x) => out.extend(x.to_le_bytes()),
-        Value::U32(x) => out.extend(x.to_le_bytes()),
-        Value::I32(x) => out.extend(x.to_le_bytes()),
-        Value::U64(x) => out.extend(x.to_le_bytes()),
-        Value::I64(x) => out.extend(x.to_le_bytes()),
-        Value::F32(x) => out.extend(x.to_le_bytes()),
-        Value::F64(x) => out.extend(x.to_le_bytes()),
-        Value::Bool(x) => out.push(u8::from(*x)),
-        Value::String(s) => put_str(out, s.as_bytes()),
-        Value::Array(items) => {
-            out.extend(items.first().map_or(0, value_type).to_le_bytes());
-            out.extend((items.len() as u64).to_le_bytes());
-            items.iter().for_each(|i| put_value(out, i));
-        }
-    }
-}
+pub use omni_engine::gguf::write::{put_str, put_value, value_type};
 
 /// An F32 tensor: name, ggml dims, values.
 pub type F32Tensor = (String, Vec<u64>, Vec<f32>);
