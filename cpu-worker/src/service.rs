@@ -319,13 +319,19 @@ impl Worker {
             Some(l) => {
                 if let Err(e) = l.jobs.send(Job { frame, reply }) {
                     let job = e.into_inner();
-                    (job.reply)(encode_reply(0, 0, Err("the experts are being replaced")));
+                    (job.reply)(encode_reply(
+                        0,
+                        0,
+                        Err("the experts are being replaced"),
+                        Duration::ZERO,
+                    ));
                 }
             }
             None => reply(encode_reply(
                 0,
                 0,
                 Err(&format!("expert worker {} has no experts loaded", self.id)),
+                Duration::ZERO,
             )),
         }
     }
@@ -403,11 +409,14 @@ fn compute_loop(
                     .fetch_add(req.n_tokens as u64, Ordering::Relaxed);
                 stage.set_batch_invariant(req.invariant);
                 match stage.run(req.layer, &req.x, &req.ids, &req.weights) {
-                    Ok(v) => (encode_reply(req.id, req.layer, Ok(&v)), true),
-                    Err(e) => (encode_reply(req.id, req.layer, Err(&e.to_string())), false),
+                    Ok(v) => (encode_reply(req.id, req.layer, Ok(&v), t.elapsed()), true),
+                    Err(e) => (
+                        encode_reply(req.id, req.layer, Err(&e.to_string()), t.elapsed()),
+                        false,
+                    ),
                 }
             }
-            Err(e) => (encode_reply(0, 0, Err(&e)), false),
+            Err(e) => (encode_reply(0, 0, Err(&e), t.elapsed()), false),
         };
         let counter = if ok { &stats.calls } else { &stats.errors };
         counter.fetch_add(1, Ordering::Relaxed);

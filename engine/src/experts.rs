@@ -51,10 +51,16 @@ pub struct ExpertBatch {
 /// that has work here, in layer order (a block whose selected experts the
 /// stage all keeps itself, `Stage::set_device_experts`, is not sent); `wait`
 /// returns the weighted sum of the selected experts, `[n_tokens][n_embd]`.
+/// An overlapped step (`StageConfig::expert_overlap`) keeps up to
+/// [`MAX_OUTSTANDING`] calls submitted, one per micro-batch group; `wait`
+/// answers them in the order they were submitted.
 pub trait ExpertExec {
     fn submit(&mut self, batch: ExpertBatch) -> Result<(), EngineError>;
     fn wait(&mut self) -> Result<Vec<f32>, EngineError>;
 }
+
+/// The most calls an executor holds submitted and not yet waited for.
+pub const MAX_OUTSTANDING: usize = 2;
 
 /// Settings of an [`ExpertStage`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -85,8 +91,8 @@ pub struct ExpertStage {
     weights: Weights,
     backend: CpuBackend,
     alloc: GraphAllocator,
-    /// The result of the last `submit`, until `wait` takes it.
-    pending: Option<Result<Vec<f32>, EngineError>>,
+    /// The results of `submit`s, until `wait` takes them, in order.
+    pending: std::collections::VecDeque<Result<Vec<f32>, EngineError>>,
 }
 
 impl ExpertStage {
@@ -133,7 +139,7 @@ impl ExpertStage {
             weights,
             backend,
             alloc,
-            pending: None,
+            pending: Default::default(),
         };
         // Layers may differ in expert types (Q4_K_M mixes them): size for each.
         let n = stage.cfg.n_ubatch;
@@ -293,10 +299,10 @@ fn build<'g>(
 impl ExpertExec for ExpertStage {
     /// Computes at once (in process there is nothing to overlap with).
     fn submit(&mut self, b: ExpertBatch) -> Result<(), EngineError> {
-        if self.pending.is_some() {
-            return Err(EngineError::Experts(
-                "submit before the previous batch was waited for".into(),
-            ));
+        if self.pending.len() >= MAX_OUTSTANDING {
+            return Err(EngineError::Experts(format!(
+                "submit with {MAX_OUTSTANDING} batches not yet waited for"
+            )));
         }
         let n_embd = self.model.hparams.n_embd as usize;
         if b.x.len() != b.n_tokens * n_embd {
@@ -308,12 +314,13 @@ impl ExpertExec for ExpertStage {
             )));
         }
         self.set_batch_invariant(b.invariant);
-        self.pending = Some(self.run(b.layer, &b.x, &b.ids, &b.weights));
+        let r = self.run(b.layer, &b.x, &b.ids, &b.weights);
+        self.pending.push_back(r);
         Ok(())
     }
 
     fn wait(&mut self) -> Result<Vec<f32>, EngineError> {
-        self.pending.take().unwrap_or_else(|| {
+        self.pending.pop_front().unwrap_or_else(|| {
             Err(EngineError::Experts(
                 "wait without a submitted batch".into(),
             ))

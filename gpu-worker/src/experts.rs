@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 /// Links to the expert workers of one stage, by layer.
 pub struct RemoteExperts {
     routes: Vec<Route>,
-    pending: Option<usize>,
+    /// The route of each call submitted and not yet waited for, oldest first.
+    pending: std::collections::VecDeque<usize>,
     timeout: Duration,
     /// Time spent in `wait` since the counter was last taken.
     waited: Duration,
@@ -28,7 +29,7 @@ impl RemoteExperts {
     pub fn new(routes: Vec<Route>, timeout: Duration) -> RemoteExperts {
         RemoteExperts {
             routes,
-            pending: None,
+            pending: Default::default(),
             timeout,
             waited: Duration::ZERO,
         }
@@ -57,14 +58,14 @@ impl ExpertExec for RemoteExperts {
             .link
             .submit(b.layer, b.n_tokens, &b.x, &b.ids, &b.weights, b.invariant)
             .map_err(|e| EngineError::Experts(e.to_string()))?;
-        self.pending = Some(i);
+        self.pending.push_back(i);
         Ok(())
     }
 
     fn wait(&mut self) -> Result<Vec<f32>, EngineError> {
         let i = self
             .pending
-            .take()
+            .pop_front()
             .ok_or_else(|| EngineError::Experts("wait without a submitted batch".into()))?;
         let t = Instant::now();
         let r = self.routes[i].link.wait(self.timeout);

@@ -91,8 +91,24 @@ pub struct WorkerConfig {
     /// statistics and move the most used experts here every this many steps.
     #[arg(long, default_value_t = 32)]
     pub expert_reselect_steps: u64,
+    /// With routed experts on an expert worker and two or more sequences in
+    /// a step, compute one half of the step's sequences here while the
+    /// expert worker computes the other half's experts (the tokens are the
+    /// same either way). `auto`: on a GPU stage, whose compute does not take
+    /// the expert worker's cores; `on` also for a CPU stage, which pays
+    /// only where the two have cores of their own (`taskset`, NUMA nodes).
+    #[arg(long, value_enum, default_value_t = Overlap::Auto)]
+    pub expert_overlap: Overlap,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
+}
+
+/// `--expert-overlap`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Overlap {
+    Auto,
+    On,
+    Off,
 }
 
 impl WorkerConfig {
@@ -327,6 +343,8 @@ impl worker_server::Worker for Svc {
                 link.kind()
             );
             expert_transports.push(link.kind().to_string());
+            let mut link = link;
+            link.timing = self.0.stats.expert_calls.clone();
             routes.push(experts::Route {
                 worker: r.worker_id,
                 layers: r.layers,
@@ -480,6 +498,8 @@ impl worker_server::Worker for Svc {
                     .sum()
             })
         };
+        let calls = &w.stats.expert_calls;
+        let seconds = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e6;
         let memory = inventory::memory_now(&w.cfg.device, w.cfg.memory, w.cfg.reserve());
         let st = w.state.lock().unwrap();
         let used = w.stats.held_bytes.load(Ordering::Relaxed)
@@ -520,6 +540,10 @@ impl worker_server::Worker for Svc {
             compute_seconds: w.stats.timeline.seconds(Phase::Computing),
             send_seconds: w.stats.timeline.seconds(Phase::Sending),
             input_wait_seconds: w.stats.timeline.seconds(Phase::Waiting),
+            expert_round_trip_seconds: seconds(&calls.round_trip_us),
+            expert_compute_seconds: seconds(&calls.compute_us),
+            expert_wait_seconds: seconds(&w.stats.expert_wait_us),
+            overlapped_steps: w.stats.overlapped_steps.load(Ordering::Relaxed),
         }))
     }
 }
@@ -564,6 +588,15 @@ impl Worker {
                 .map_err(|e| Status::from(WorkerError::internal(e)))?,
             repack: true,
             deterministic: req.deterministic,
+            expert_overlap: false,
+        };
+        let cfg = StageConfig {
+            expert_overlap: match self.cfg.expert_overlap {
+                Overlap::On => true,
+                Overlap::Off => false,
+                Overlap::Auto => cfg.device.is_gpu(),
+            },
+            ..cfg
         };
         let n_embd = model.hparams.n_embd as usize;
         let n_used = model

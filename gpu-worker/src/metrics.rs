@@ -100,6 +100,22 @@ impl Worker {
             "Time steps spent waiting for expert workers",
             ConstCounter::new(get(&s.expert_wait_us) as f64 / 1e6),
         );
+        let calls = &s.expert_calls;
+        r.register(
+            "expert_round_trip_seconds",
+            "Expert calls from each request sent to its answer read",
+            ConstCounter::new(get(&calls.round_trip_us) as f64 / 1e6),
+        );
+        r.register(
+            "expert_compute_seconds",
+            "Part of the expert calls' round trips the expert workers computed",
+            ConstCounter::new(get(&calls.compute_us) as f64 / 1e6),
+        );
+        r.register(
+            "overlapped_steps",
+            "Steps run as two micro-batch groups beside the expert workers (--expert-overlap)",
+            ConstCounter::new(get(&s.overlapped_steps)),
+        );
         if let Some(x) = self.experts.lock().unwrap().as_ref() {
             for route in x.routes() {
                 let sub = r

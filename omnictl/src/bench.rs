@@ -156,7 +156,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(lb) = &a.llama_bench {
-        let reference = llama_bench(lb, &path, threads, &a)?;
+        let reference = llama_bench(lb, &path, threads, &a.pp, a.tg, a.runs, a.device)?;
         for row in &mut rows {
             row.reference = reference
                 .iter()
@@ -237,13 +237,16 @@ pub(crate) fn median(v: &mut [f64]) -> f64 {
 
 /// Runs llama.cpp's `llama-bench` with the same tests (flash attention on,
 /// as our graphs use it) and returns `(test, avg tok/s)`.
-fn llama_bench(
+pub(crate) fn llama_bench(
     bin: &std::path::Path,
     model: &std::path::Path,
     threads: usize,
-    a: &BenchArgs,
+    pp: &[usize],
+    tg: usize,
+    runs: usize,
+    device: omni_engine::Device,
 ) -> anyhow::Result<Vec<(String, f64)>> {
-    let pp: Vec<String> = a.pp.iter().map(|n| n.to_string()).collect();
+    let pp: Vec<String> = pp.iter().map(|n| n.to_string()).collect();
     let out = Command::new(bin)
         .arg("-m")
         .arg(model)
@@ -253,15 +256,15 @@ fn llama_bench(
             "-p",
             &pp.join(","),
             "-n",
-            &a.tg.to_string(),
+            &tg.to_string(),
             "-r",
-            &a.runs.to_string(),
+            &runs.to_string(),
             "-fa",
             "1",
             "-o",
             "json",
         ])
-        .args(match a.device {
+        .args(match device {
             // llama.cpp's GPU builds offload nothing unless told.
             omni_engine::Device::Cuda(i) | omni_engine::Device::Vulkan(i) => vec![
                 "-ngl".to_string(),

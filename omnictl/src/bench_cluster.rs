@@ -187,27 +187,39 @@ fn llama_cpp_row(
     a: &BenchClusterArgs,
     threads: usize,
 ) -> anyhow::Result<Row> {
-    let mut ref_runs = Vec::new();
-    for i in 0..=a.runs {
-        let t = Instant::now();
-        omni_engine::llama_cpp_greedy(path, prompt, 1, threads)?;
-        let one = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        omni_engine::llama_cpp_greedy(path, prompt, a.tg + 1, threads)?;
-        let all = t.elapsed().as_secs_f64();
-        if i > 0 {
-            ref_runs.push(a.tg as f64 / (all - one).max(1e-9));
-        }
-    }
     Ok(Row {
         name: "llama.cpp (in process)",
-        tok_s: median(&mut ref_runs),
+        tok_s: llama_cpp_decode(path, prompt, a.tg, a.runs, threads)?,
         hop_p50: None,
         hop_p99: None,
         pipeline_b_tok: None,
         expert_b_tok: None,
         expert_wait_ms: None,
     })
+}
+
+/// llama.cpp from the same vendored source, in this process: its decode
+/// rate, from the difference of two runs so the prompt's prefill cancels.
+fn llama_cpp_decode(
+    path: &std::path::Path,
+    prompt: &[u32],
+    tg: usize,
+    runs: usize,
+    threads: usize,
+) -> anyhow::Result<f64> {
+    let mut rates = Vec::new();
+    for i in 0..=runs {
+        let t = Instant::now();
+        omni_engine::llama_cpp_greedy(path, prompt, 1, threads)?;
+        let one = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        omni_engine::llama_cpp_greedy(path, prompt, tg + 1, threads)?;
+        let all = t.elapsed().as_secs_f64();
+        if i > 0 {
+            rates.push(tg as f64 / (all - one).max(1e-9));
+        }
+    }
+    Ok(median(&mut rates))
 }
 
 /// The results beside llama.cpp's, as a table or JSON.
@@ -435,7 +447,7 @@ fn mask_us(
 /// Decode tokens per second of one greedy request (constrained to the JSON
 /// `schema` if given): from the first token to the last, so the prefill is
 /// not counted. Also the tokens.
-async fn decode_rate(
+pub(crate) async fn decode_rate(
     addr: &str,
     prompt: &[u32],
     tg: usize,

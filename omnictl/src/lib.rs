@@ -7,6 +7,7 @@
 mod admin;
 mod bench;
 mod bench_cluster;
+mod bench_moe;
 mod bench_move;
 mod bench_serve;
 mod fetch;
@@ -16,6 +17,7 @@ mod plan;
 pub mod reference;
 mod remote;
 mod split;
+mod synth;
 mod top;
 mod up;
 
@@ -49,6 +51,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Decode speed through local clusters (1 stage, 2 over shm, 2 over gRPC) beside llama.cpp.
     BenchCluster(bench_cluster::BenchClusterArgs),
+    /// The hybrid MoE case beside llama.cpp: one stage, the same with its routed experts on an expert worker (decode, prefill, where a token's time goes).
+    BenchMoe(bench_moe::BenchMoeArgs),
     /// Serving speed through the OpenAI API (1 stream, N streams, the seeds' chat benchmark) of 1, 2, 3 stages beside llama-server.
     BenchServe(bench_serve::BenchServeArgs),
     /// What a live move of one layer costs (total, pipeline pause) beside a restart.
@@ -61,6 +65,8 @@ pub enum Command {
     Split(split::SplitArgs),
     /// Join a split model's parts into one GGUF file.
     Merge(split::MergeArgs),
+    /// Write a GGUF with a named model's real shapes and random weights, for benchmarks (deepseek-r1, ...).
+    Synth(synth::SynthArgs),
     /// List a running cluster's workers: memory, what they hold, KV cache, step time, health (admin API).
     Workers(admin::WorkersArgs),
     /// A live terminal view of a running cluster: layers, tokens/s, step time, memory (admin API).
@@ -87,6 +93,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::BenchCluster(args) => bench_cluster::run(args),
         Command::BenchServe(args) => bench_serve::run(args),
+        Command::BenchMoe(args) => bench_moe::run(args),
         Command::BenchMove(args) => bench_move::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Reference => {
@@ -96,6 +103,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(args) => up::run(*args),
         Command::Split(args) => split::split(&args),
         Command::Merge(args) => split::merge(&args),
+        Command::Synth(args) => synth::run(&args),
         Command::Workers(args) => admin::workers(&args),
         Command::Top(args) => top::run(&args),
         Command::Rebalance(args) => admin::rebalance(&args),

@@ -46,6 +46,12 @@ pub struct UpArgs {
     /// Prefix of the children's names ("oracle." for several models).
     #[arg(skip)]
     pub prefix: String,
+    /// The benchmarks' own settings per child (w0, c0, ...): the CPUs it
+    /// may run on, and flags added to its command.
+    #[arg(skip)]
+    pub pin: std::collections::HashMap<String, Vec<usize>>,
+    #[arg(skip)]
+    pub extra_args: std::collections::HashMap<String, Vec<String>>,
     /// Number of worker processes (pipeline stages).
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
@@ -174,6 +180,8 @@ impl UpArgs {
             auto: Vec::new(),
             worker_memory: Vec::new(),
             prefix: String::new(),
+            pin: Default::default(),
+            extra_args: Default::default(),
             stages,
             transport: transport.into(),
             listen: listen.to_string(),
@@ -240,6 +248,31 @@ pub struct LocalCluster {
 /// A worker that exits more often than this within a minute is not
 /// restarted again: something is wrong that a restart does not fix.
 const MAX_RESTARTS_PER_MINUTE: usize = 5;
+
+/// A benchmark's settings for the child `name`: its flags, and the CPUs
+/// it may run on (set in the child before it starts, as `taskset` does).
+fn bench_settings(a: &UpArgs, name: &str, cmd: &mut Command) {
+    if let Some(extra) = a.extra_args.get(name) {
+        cmd.args(extra);
+    }
+    if let Some(cpus) = a.pin.get(name).cloned() {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: only sched_setaffinity, async-signal-safe, runs between
+        // fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for &c in &cpus {
+                    libc::CPU_SET(c, &mut set);
+                }
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+}
 
 impl LocalCluster {
     /// Starts the processes (it does not wait for readiness). With `quiet`
@@ -350,6 +383,7 @@ impl LocalCluster {
             if let Some(d) = a.device.get(i).or(a.device.last()) {
                 w.args(["--device", &d.to_string()]);
             }
+            bench_settings(a, &name, &mut w);
             traced(&mut w);
             variant(&mut w);
             cluster.add(&child_name, w)?;
@@ -371,6 +405,7 @@ impl LocalCluster {
             if let Some(m) = &a.cpu_memory {
                 w.args(["--memory", m]);
             }
+            bench_settings(a, &name, &mut w);
             traced(&mut w);
             variant(&mut w);
             cluster.add(&format!("{}{name}", a.prefix), w)?;

@@ -402,3 +402,51 @@ fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
         eprintln!("{name}: offered {offer} B per device: offloaded {got:?}; llama.cpp's tokens");
     }
 }
+
+/// `--expert-overlap on`: a step of several sequences runs as two
+/// micro-batch groups, the stage computing one group's layers while the
+/// expert worker computes the other's experts. What a user notices: every
+/// stream gets the tokens it gets alone (in one process, every expert in
+/// the stage), and the worker counts the steps that overlapped; with
+/// `off`, none do.
+#[test]
+fn overlapped_steps_give_every_stream_its_tokens_alone() {
+    let _g = serial();
+    for name in ["deepseek2-mla-q8_0", "qwen3moe-q8_0"] {
+        let path = file(name);
+        // Three streams: decode steps of 3 rows, cut 1 + 2.
+        let prompts: Vec<Vec<u32>> = generations(name)
+            .into_iter()
+            .map(|(p, _)| p)
+            .cycle()
+            .take(3)
+            .enumerate()
+            .map(|(i, mut p)| {
+                p.truncate(p.len() - i);
+                p
+            })
+            .collect();
+        let alone = omni_tests::engine_tokens(&path, &prompts, 16);
+        for overlap in ["on", "off"] {
+            let mut spec = expert_spec("shm", &["--experts", "cpu"]);
+            spec.stages = 1;
+            spec.worker_args = vec![vec!["--expert-overlap".into(), overlap.into()]];
+            let c = Cluster::start(&path, &spec);
+            let reqs = prompts.iter().map(|p| greedy(p, 16)).collect();
+            let results = omni_tests::start_streams(&c.addr, reqs)
+                .handle
+                .join()
+                .unwrap();
+            omni_tests::same_tokens(
+                &results,
+                &alone,
+                &format!("{name}, --expert-overlap {overlap}"),
+            );
+            let overlapped = c.statuses()[0].overlapped_steps;
+            match overlap {
+                "on" => assert!(overlapped > 0, "{name}: no step overlapped"),
+                _ => assert_eq!(overlapped, 0, "{name}"),
+            }
+        }
+    }
+}

@@ -52,6 +52,7 @@ impl Harness {
             device: Default::default(),
             repack: true,
             deterministic: false,
+            expert_overlap: false,
         };
         let stage = Stage::load(model.clone(), whole(), cfg.clone()).unwrap();
         let dir = tempfile::tempdir().unwrap();

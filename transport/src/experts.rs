@@ -2,8 +2,9 @@
 //! to compute the routed experts of one block and waits for the answer.
 //!
 //! Unlike a pipeline hop (one way, many frames in flight) this is a call:
-//! one request frame, one reply frame, in order, at most one outstanding per
-//! link. On one host it runs over a pair of shared-memory rings (the caller's
+//! one request frame, one reply frame, in order, at most [`MAX_OUTSTANDING`]
+//! outstanding per link (an overlapped step's two micro-batch groups). On
+//! one host it runs over a pair of shared-memory rings (the caller's
 //! ring receives replies, the worker's receives requests; the `OpenShm` RPC
 //! swaps their endpoints and the rings' tokens prove both ends share
 //! `/dev/shm`), elsewhere over the `Experts.Compute` bidirectional gRPC
@@ -19,11 +20,14 @@ use crate::shm::{RingReceiver, RingSender, ShmError};
 use omni_proto::worker::v1::{experts_client::ExpertsClient, Endpoint, ExpertCall, OpenShmRequest};
 use prost::Message;
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use omni_proto::worker::v1::Frame;
+
+/// The most calls a link keeps unanswered.
+pub const MAX_OUTSTANDING: usize = 2;
 
 /// How long one send may wait for room in a ring.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -83,6 +87,7 @@ impl ExpertRequest<'_> {
             n_used: self.n_used as u32,
             error: String::new(),
             invariant: self.invariant,
+            compute_us: 0,
         };
         let mut payload = Vec::with_capacity((self.x.len() + 2 * self.ids.len()) * 4);
         push_le(&mut payload, self.x, f32::to_le_bytes);
@@ -126,11 +131,13 @@ pub fn decode_request(frame: &Frame, n_embd: usize) -> Result<DecodedRequest, St
     })
 }
 
-/// The reply to request `id`: the result, or why there is none.
-pub fn encode_reply(id: u64, layer: u32, result: Result<&[f32], &str>) -> Frame {
+/// The reply to request `id`: the result, or why there is none; and how
+/// long computing it took.
+pub fn encode_reply(id: u64, layer: u32, result: Result<&[f32], &str>, compute: Duration) -> Frame {
     let mut meta = ExpertCall {
         id,
         layer,
+        compute_us: compute.as_micros() as u64,
         ..Default::default()
     };
     let mut payload = Vec::new();
@@ -177,8 +184,20 @@ pub struct ExpertLink {
     worker: String,
     kind: Kind,
     next_id: u64,
-    pending: Option<(u64, u32, usize)>,
+    /// The calls sent and not yet answered, oldest first: id, layer,
+    /// tokens and when each went.
+    pending: std::collections::VecDeque<(u64, u32, usize, Instant)>,
     pub stats: Arc<LinkStats>,
+    pub timing: Arc<CallTiming>,
+}
+
+/// Where the time of a link's calls went, in µs since it opened.
+#[derive(Debug, Default)]
+pub struct CallTiming {
+    /// From each request sent to its answer read.
+    pub round_trip_us: AtomicU64,
+    /// What the worker said it computed.
+    pub compute_us: AtomicU64,
 }
 
 impl ExpertLink {
@@ -254,8 +273,9 @@ impl ExpertLink {
             worker,
             kind,
             next_id: 1,
-            pending: None,
+            pending: Default::default(),
             stats: Arc::default(),
+            timing: Arc::default(),
         }
     }
 
@@ -282,8 +302,10 @@ impl ExpertLink {
             worker: self.worker.clone(),
             why: why.to_string(),
         };
-        if self.pending.is_some() {
-            return Err(protocol("submit before the previous call was answered"));
+        if self.pending.len() >= MAX_OUTSTANDING {
+            return Err(protocol(&format!(
+                "submit with {MAX_OUTSTANDING} calls unanswered"
+            )));
         }
         let n_used = ids.len().checked_div(n_tokens).unwrap_or(0);
         let id = self.next_id;
@@ -328,14 +350,16 @@ impl ExpertLink {
         }
         self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         self.stats.bytes_sent.fetch_add(n, Ordering::Relaxed);
-        self.pending = Some((id, layer, n_tokens));
+        self.pending
+            .push_back((id, layer, n_tokens, Instant::now()));
         Ok(())
     }
 
-    /// The answer to the last `submit`: `n_tokens × width` floats. Gives up
-    /// after `timeout`, and as soon as the worker is seen gone.
+    /// The answer to the oldest unanswered `submit`: `n_tokens × width`
+    /// floats. Gives up after `timeout`, and as soon as the worker is seen
+    /// gone.
     pub fn wait(&mut self, timeout: Duration) -> Result<Vec<f32>, ExpertLinkError> {
-        let Some((id, layer, n_tokens)) = self.pending.take() else {
+        let Some((id, layer, n_tokens, sent)) = self.pending.pop_front() else {
             return Err(ExpertLinkError::Protocol {
                 worker: self.worker.clone(),
                 why: "wait without a submitted call".into(),
@@ -382,6 +406,12 @@ impl ExpertLink {
         };
         let call = ExpertCall::decode(frame.meta.as_slice())
             .map_err(|e| protocol(format!("undecodable reply header: {e}")))?;
+        self.timing
+            .round_trip_us
+            .fetch_add(sent.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.timing
+            .compute_us
+            .fetch_add(call.compute_us, Ordering::Relaxed);
         if call.id != id || call.layer != layer {
             return Err(protocol(format!(
                 "expected the reply to call {id} (layer {layer}), got call {} (layer {})",

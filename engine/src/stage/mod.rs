@@ -58,6 +58,13 @@ pub struct StageConfig {
     /// CPU only.
     #[serde(default)]
     pub deterministic: bool,
+    /// With offloaded experts and two or more sequences in a step, run the
+    /// step as two micro-batch groups: the stage computes one group's
+    /// layers while the expert executor computes the other's experts (a
+    /// GPU stage beside a CPU expert worker, or CPU workers on cores of
+    /// their own). Exact: every row computes as in the whole batch.
+    #[serde(default)]
+    pub expert_overlap: bool,
 }
 
 impl Default for StageConfig {
@@ -72,6 +79,7 @@ impl Default for StageConfig {
             device: Device::Cpu,
             repack: true,
             deterministic: false,
+            expert_overlap: false,
         }
     }
 }
@@ -102,6 +110,8 @@ pub struct Stage {
     /// graph of an offloaded block has its own.
     arena: GraphArena,
     side_arena: GraphArena,
+    /// Steps run as two interleaved groups (`StageConfig::expert_overlap`).
+    overlapped_steps: u64,
 }
 
 impl Stage {
@@ -212,6 +222,7 @@ impl Stage {
             last_cells: Vec::new(),
             arena: GraphArena::default(),
             side_arena: GraphArena::default(),
+            overlapped_steps: 0,
         };
         stage.reserve()?;
         Ok(stage)
@@ -219,6 +230,13 @@ impl Stage {
 
     pub fn range(&self) -> &LayerRange {
         &self.range
+    }
+
+    /// Steps this stage ran as two interleaved micro-batch groups, its
+    /// layers for one beside the expert executor's work for the other
+    /// (`StageConfig::expert_overlap`).
+    pub fn overlapped_steps(&self) -> u64 {
+        self.overlapped_steps
     }
 
     pub fn model(&self) -> &Arc<ModelFile> {

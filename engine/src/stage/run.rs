@@ -113,6 +113,11 @@ impl Stage {
         result
     }
 
+    /// Runs a step whose cells are placed (`kv_idx`): as one group, or,
+    /// for a stage with offloaded experts and `StageConfig::expert_overlap`,
+    /// as two micro-batch groups (sequences never split) interleaved so
+    /// that the stage computes one group's segments while the executor
+    /// computes the other's experts.
     pub(super) fn run(
         &mut self,
         batch: &Batch,
@@ -120,8 +125,107 @@ impl Stage {
         kv_idx: &[i64],
         mut experts: Option<&mut dyn ExpertExec>,
     ) -> Result<StageOutput, EngineError> {
-        let model = Arc::clone(&self.model);
-        let hp = &model.hparams;
+        let split = (self.cfg.expert_overlap && experts.is_some() && !self.offloaded.is_empty())
+            .then(|| group_split(&batch.seq))
+            .flatten();
+        let Some(m) = split else {
+            let mut r = self.begin(batch, input, kv_idx);
+            let out = loop {
+                match self.advance(&mut r, experts.as_deref_mut()) {
+                    Ok(Progress::Done(o)) => break Ok(o),
+                    Ok(Progress::Cut(p)) => match self.finish(p, experts.as_deref_mut()) {
+                        Ok(c) => r.carry = Some(c),
+                        Err(e) => break Err(e),
+                    },
+                    Err(e) => break Err(e),
+                }
+            };
+            self.end(r);
+            return out;
+        };
+        self.overlapped_steps += 1;
+        let (a, b) = (batch.range(0..m), batch.range(m..batch.len()));
+        let e = self.model.hparams.n_embd as usize;
+        let inputs = input.map(|h| (h.rows(0..m, e), h.rows(m..h.n_tokens, e)));
+        let mut runs = [
+            self.begin(&a, inputs.as_ref().map(|i| &i.0), &kv_idx[..m]),
+            self.begin(&b, inputs.as_ref().map(|i| &i.1), &kv_idx[m..]),
+        ];
+        let result = self.interleave(&mut runs, experts);
+        let [ra, rb] = runs;
+        self.end(ra);
+        self.end(rb);
+        let [oa, ob] = result?;
+        merge(oa, ob, m)
+    }
+
+    /// Two groups' steps, interleaved: each group's segment runs while the
+    /// executor computes the other's last submitted block (its calls are
+    /// answered in order: A, B, A, B, ...). On an error the calls still
+    /// outstanding are waited for, so the executor is left with nothing.
+    fn interleave<'x>(
+        &mut self,
+        runs: &mut [GroupRun; 2],
+        mut experts: Option<&mut (dyn ExpertExec + 'x)>,
+    ) -> Result<[StageOutput; 2], EngineError> {
+        let mut done: [Option<StageOutput>; 2] = [None, None];
+        let mut pending: [Option<PendingCut>; 2] = [None, None];
+        let mut result = Ok(());
+        'steps: for g in 0..2 {
+            match self.advance(&mut runs[g], experts.as_deref_mut()) {
+                Ok(Progress::Done(o)) => done[g] = Some(o),
+                Ok(Progress::Cut(p)) => pending[g] = Some(p),
+                Err(e) => {
+                    result = Err(e);
+                    break 'steps;
+                }
+            }
+        }
+        while result.is_ok() && pending.iter().any(Option::is_some) {
+            for g in 0..2 {
+                let Some(p) = pending[g].take() else { continue };
+                let step = self.finish(p, experts.as_deref_mut()).and_then(|c| {
+                    runs[g].carry = Some(c);
+                    self.advance(&mut runs[g], experts.as_deref_mut())
+                });
+                match step {
+                    Ok(Progress::Done(o)) => done[g] = Some(o),
+                    Ok(Progress::Cut(p)) => pending[g] = Some(p),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        if let Err(e) = result {
+            for p in pending.into_iter().flatten() {
+                if p.remote.is_some() {
+                    if let Some(x) = experts.as_deref_mut() {
+                        let _ = x.wait();
+                    }
+                }
+            }
+            return Err(e);
+        }
+        match done {
+            [Some(a), Some(b)] => Ok([a, b]),
+            _ => Err(EngineError::Experts(
+                "an overlapped step ended without both groups' output".into(),
+            )),
+        }
+    }
+
+    /// A group's step, ready for its first segment: which rows it outputs
+    /// and its attention masks (the stage's reused scratch for the first
+    /// group; [`Stage::end`] gives it back).
+    fn begin<'b>(
+        &mut self,
+        batch: &'b Batch,
+        input: Option<&'b Hidden>,
+        kv_idx: &'b [i64],
+    ) -> GroupRun<'b> {
+        let hp = &self.model.hparams;
         let n = batch.len();
         let mut out_rows: Vec<usize> = if self.range.head {
             (0..n).filter(|&i| batch.logits[i]).collect()
@@ -138,138 +242,174 @@ impl Stage {
         }
         let n_kv = self.kv.n_kv();
         let has_layers = !self.range.layers.is_empty();
-        self.exec.set_batch_invariant(batch.invariant);
+        let (mut mask, mut mask_swa, mut order) = (
+            std::mem::take(&mut self.mask),
+            std::mem::take(&mut self.mask_swa),
+            std::mem::take(&mut self.order),
+        );
         let in_order = (batch.invariant && has_layers).then(|| {
             let window = hp.swa.as_ref().map(|s| s.window);
-            self.kv
-                .order(&batch.seq, &batch.pos, window, &mut self.order);
-            self.order.len()
+            self.kv.order(&batch.seq, &batch.pos, window, &mut order);
+            order.len()
         });
         if has_layers && in_order.is_none() {
-            self.kv
-                .mask(&batch.seq, &batch.pos, n_kv, None, &mut self.mask);
+            self.kv.mask(&batch.seq, &batch.pos, n_kv, None, &mut mask);
             if let Some(swa) = &hp.swa {
                 self.kv.mask(
                     &batch.seq,
                     &batch.pos,
                     n_kv,
                     Some(swa.window),
-                    &mut self.mask_swa,
+                    &mut mask_swa,
                 );
             }
         }
-        // Without offloaded layers: one segment, the whole range's graph.
-        let segments = self.segments(n);
-        // The finished-elsewhere block the next segment resumes.
-        let mut carry: Option<Carry> = None;
-        for mut seg in segments {
-            if let (Some(r), Some(c)) = (seg.resume.as_mut(), carry.as_ref()) {
-                r.n_tokens = c.n_tokens;
-                r.side = c.shared.is_some();
-            }
-            let ctx = self.arena.ctx();
-            // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
-            let parts = GraphParts {
-                model: &self.model,
-                range: &self.range,
-                weights: &self.weights,
-                kv: &self.kv,
-                device: &self.device,
-                in_order,
-            };
-            let (graph, out) = parts.build_segment(&ctx, n, n_kv, out_rows.len(), &seg);
-            self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
-            let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
-                // Inputs no node reads (a range with no global layer has no use for
-                // the global mask) get no memory from the allocator.
-                if let Some(t) = ctx.get_tensor(name).filter(|t| t.is_allocated()) {
-                    f(t)
-                }
-            };
-            set("inp_tokens", &|t| {
-                t.write(&batch.tokens.iter().map(|&x| x as i32).collect::<Vec<_>>())
-            });
-            set("inp_hidden", &|t| {
-                t.write(&input.expect("checked in forward").data)
-            });
-            set("inp_pos", &|t| t.write(&batch.pos));
-            set("inp_kv_idx", &|t| t.write(kv_idx));
-            set("inp_mask", &|t| t.write(&self.mask));
-            set("inp_mask_swa", &|t| t.write(&self.mask_swa));
-            set("inp_kv_order", &|t| t.write(&self.order));
-            set("inp_out_ids", &|t| {
-                t.write(&out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
-            });
-            if let Some(c) = carry.take() {
-                set("inp_routed", &|t| t.write(&c.routed));
-                set("inp_ffn_inp", &|t| t.write(&c.ffn_inp));
-                if let Some(sh) = &c.shared {
-                    set("inp_shared", &|t| t.write(sh));
-                }
-            }
-            self.exec.compute(&graph).map_err(EngineError::Ggml)?;
-            let (cur, ids, weights, ffn_inp) = match out {
-                SegmentOut::Range(out) => {
-                    let mut data = Vec::new();
-                    out.read_f32(&mut data);
-                    if no_logits {
-                        out_rows.clear();
-                        data.clear();
-                    }
-                    return Ok(if self.range.head {
-                        StageOutput::Logits(Logits {
-                            n_vocab: hp.n_vocab as usize,
-                            rows: out_rows,
-                            data,
-                        })
-                    } else {
-                        StageOutput::Hidden(Hidden {
-                            n_tokens: n,
-                            n_embd: hp.n_embd as usize,
-                            data,
-                        })
-                    });
-                }
-                SegmentOut::Cut {
-                    cur,
-                    ids,
-                    weights,
-                    ffn_inp,
-                } => (cur, ids, weights, ffn_inp),
-            };
-            let layer = seg.cut.expect("a cut segment names its layer");
-            let n_cut = cur.ne()[1] as usize;
-            let (mut x, mut ffn_inp_vals, mut id_vals, mut w_vals) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            cur.read_f32(&mut x);
-            ffn_inp.read_f32(&mut ffn_inp_vals);
-            ids.read_i32(&mut id_vals);
-            weights.read_f32(&mut w_vals);
-            // This segment's graph and context are done with.
-            drop(ctx);
-            let cut = CutOut {
-                layer,
-                n_tokens: n_cut,
-                x,
-                ffn_inp: ffn_inp_vals,
-                ids: id_vals,
-                weights: w_vals,
-                invariant: batch.invariant,
-            };
-            let c = self.run_experts(cut, experts.as_deref_mut())?;
-            carry = Some(c);
+        GroupRun {
+            batch,
+            input,
+            kv_idx,
+            out_rows,
+            no_logits,
+            n_kv,
+            in_order,
+            mask,
+            mask_swa,
+            order,
+            // Without offloaded layers: one segment, the whole range's graph.
+            segments: self.segments(n).into_iter(),
+            carry: None,
         }
-        unreachable!("the last segment ends the range")
     }
 
-    /// A cut segment's routed experts: the executor's share submitted,
-    /// shared and device-kept experts computed meanwhile (the side graph),
-    /// both waited for; what the next segment resumes with.
-    fn run_experts<'x>(
+    /// Keeps a finished group's scratch for the next step.
+    fn end(&mut self, r: GroupRun) {
+        if r.mask.capacity() > self.mask.capacity() {
+            self.mask = r.mask;
+            self.mask_swa = r.mask_swa;
+            self.order = r.order;
+        }
+    }
+
+    /// Runs a group's next segment: the step's output, or a cut block
+    /// whose routed experts are now with the executor.
+    fn advance<'x>(
+        &mut self,
+        r: &mut GroupRun,
+        experts: Option<&mut (dyn ExpertExec + 'x)>,
+    ) -> Result<Progress, EngineError> {
+        let model = Arc::clone(&self.model);
+        let hp = &model.hparams;
+        let batch = r.batch;
+        let n = batch.len();
+        self.exec.set_batch_invariant(batch.invariant);
+        let Some(mut seg) = r.segments.next() else {
+            unreachable!("the last segment ends the range")
+        };
+        if let (Some(res), Some(c)) = (seg.resume.as_mut(), r.carry.as_ref()) {
+            res.n_tokens = c.n_tokens;
+            res.side = c.shared.is_some();
+        }
+        let ctx = self.arena.ctx();
+        // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
+        let parts = GraphParts {
+            model: &self.model,
+            range: &self.range,
+            weights: &self.weights,
+            kv: &self.kv,
+            device: &self.device,
+            in_order: r.in_order,
+        };
+        let (graph, out) = parts.build_segment(&ctx, n, r.n_kv, r.out_rows.len(), &seg);
+        self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
+        let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
+            // Inputs no node reads (a range with no global layer has no use for
+            // the global mask) get no memory from the allocator.
+            if let Some(t) = ctx.get_tensor(name).filter(|t| t.is_allocated()) {
+                f(t)
+            }
+        };
+        set("inp_tokens", &|t| {
+            t.write(&batch.tokens.iter().map(|&x| x as i32).collect::<Vec<_>>())
+        });
+        set("inp_hidden", &|t| {
+            t.write(&r.input.expect("checked in forward").data)
+        });
+        set("inp_pos", &|t| t.write(&batch.pos));
+        set("inp_kv_idx", &|t| t.write(r.kv_idx));
+        set("inp_mask", &|t| t.write(&r.mask));
+        set("inp_mask_swa", &|t| t.write(&r.mask_swa));
+        set("inp_kv_order", &|t| t.write(&r.order));
+        set("inp_out_ids", &|t| {
+            t.write(&r.out_rows.iter().map(|&x| x as i32).collect::<Vec<_>>())
+        });
+        if let Some(c) = r.carry.take() {
+            set("inp_routed", &|t| t.write(&c.routed));
+            set("inp_ffn_inp", &|t| t.write(&c.ffn_inp));
+            if let Some(sh) = &c.shared {
+                set("inp_shared", &|t| t.write(sh));
+            }
+        }
+        self.exec.compute(&graph).map_err(EngineError::Ggml)?;
+        let (cur, ids, weights, ffn_inp) = match out {
+            SegmentOut::Range(out) => {
+                let mut data = Vec::new();
+                out.read_f32(&mut data);
+                let mut rows = std::mem::take(&mut r.out_rows);
+                if r.no_logits {
+                    rows.clear();
+                    data.clear();
+                }
+                return Ok(Progress::Done(if self.range.head {
+                    StageOutput::Logits(Logits {
+                        n_vocab: hp.n_vocab as usize,
+                        rows,
+                        data,
+                    })
+                } else {
+                    StageOutput::Hidden(Hidden {
+                        n_tokens: n,
+                        n_embd: hp.n_embd as usize,
+                        data,
+                    })
+                }));
+            }
+            SegmentOut::Cut {
+                cur,
+                ids,
+                weights,
+                ffn_inp,
+            } => (cur, ids, weights, ffn_inp),
+        };
+        let layer = seg.cut.expect("a cut segment names its layer");
+        let n_cut = cur.ne()[1] as usize;
+        let (mut x, mut ffn_inp_vals, mut id_vals, mut w_vals) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        cur.read_f32(&mut x);
+        ffn_inp.read_f32(&mut ffn_inp_vals);
+        ids.read_i32(&mut id_vals);
+        weights.read_f32(&mut w_vals);
+        // This segment's graph and context are done with.
+        drop(ctx);
+        let cut = CutOut {
+            layer,
+            n_tokens: n_cut,
+            x,
+            ffn_inp: ffn_inp_vals,
+            ids: id_vals,
+            weights: w_vals,
+            invariant: batch.invariant,
+        };
+        self.submit_experts(cut, experts).map(Progress::Cut)
+    }
+
+    /// A cut segment's routed experts: the executor's share submitted, and
+    /// the shared and device-kept experts computed meanwhile (the side
+    /// graph). [`Stage::finish`] waits for the executor.
+    fn submit_experts<'x>(
         &mut self,
         cut: CutOut,
         experts: Option<&mut (dyn ExpertExec + 'x)>,
-    ) -> Result<Carry, EngineError> {
+    ) -> Result<PendingCut, EngineError> {
         let model = Arc::clone(&self.model);
         let hp = &model.hparams;
         let CutOut {
@@ -281,12 +421,6 @@ impl Stage {
             weights: w_vals,
             invariant,
         } = cut;
-        let mut c = Carry {
-            n_tokens: n_cut,
-            routed: Vec::new(),
-            shared: None,
-            ffn_inp,
-        };
         if let Some(counts) = self.expert_counts.get_mut(&layer) {
             for &id in &id_vals {
                 if let Some(n) = usize::try_from(id).ok().and_then(|i| counts.get_mut(i)) {
@@ -337,10 +471,10 @@ impl Stage {
             })?;
             let n_sent = batch.n_tokens;
             exec.submit(batch)?;
-            remote = Some((exec, n_sent));
+            remote = Some(n_sent);
         }
-        // Overlaps with the executor's work; wait even if it fails, so
-        // that the executor is left with nothing pending.
+        // Overlaps with the executor's work; `finish` waits even if this
+        // failed, so that the executor is left with nothing pending.
         let side = side_graph.map(|(g, out)| {
             self.exec.compute(&g).map(|()| {
                 let mut v = Vec::new();
@@ -348,9 +482,38 @@ impl Stage {
                 v
             })
         });
-        let routed = remote.map(|(exec, n_sent)| (exec.wait(), n_sent));
-        c.shared = side.transpose().map_err(EngineError::Ggml)?;
-        c.routed = match routed {
+        Ok(PendingCut {
+            layer,
+            n_cut,
+            ffn_inp,
+            rows,
+            remote,
+            side,
+        })
+    }
+
+    /// Waits for a cut block's routed experts: what the next segment
+    /// resumes with.
+    fn finish<'x>(
+        &mut self,
+        p: PendingCut,
+        experts: Option<&mut (dyn ExpertExec + 'x)>,
+    ) -> Result<Carry, EngineError> {
+        let e = self.model.hparams.n_embd as usize;
+        let PendingCut {
+            layer,
+            n_cut,
+            ffn_inp,
+            rows,
+            remote,
+            side,
+        } = p;
+        let routed = match (remote, experts) {
+            (Some(n_sent), Some(x)) => Some((x.wait(), n_sent)),
+            _ => None,
+        };
+        let shared = side.transpose().map_err(EngineError::Ggml)?;
+        let routed = match routed {
             // Nothing elsewhere: the side graph computed every selected expert.
             None => vec![0.0; n_cut * e],
             Some((got, n_sent)) => {
@@ -375,7 +538,95 @@ impl Stage {
                 }
             }
         };
-        Ok(c)
+        Ok(Carry {
+            n_tokens: n_cut,
+            routed,
+            shared,
+            ffn_inp,
+        })
+    }
+}
+
+/// One group's step in progress.
+struct GroupRun<'b> {
+    batch: &'b Batch,
+    input: Option<&'b Hidden>,
+    kv_idx: &'b [i64],
+    out_rows: Vec<usize>,
+    no_logits: bool,
+    n_kv: usize,
+    in_order: Option<usize>,
+    mask: Vec<u16>,
+    mask_swa: Vec<u16>,
+    order: Vec<i32>,
+    segments: std::vec::IntoIter<super::graph::Segment>,
+    /// The finished-elsewhere block the next segment resumes.
+    carry: Option<Carry>,
+}
+
+enum Progress {
+    Done(StageOutput),
+    Cut(PendingCut),
+}
+
+/// A cut block between submitting its routed experts and their answer.
+struct PendingCut {
+    layer: u32,
+    n_cut: usize,
+    ffn_inp: Vec<f32>,
+    /// The tokens sent (all when `None`).
+    rows: Option<Vec<usize>>,
+    /// Tokens with the executor, if any were sent.
+    remote: Option<usize>,
+    /// The side graph's result (shared and device-kept experts).
+    side: Option<Result<Vec<f32>, String>>,
+}
+
+/// Where an overlapped step cuts its batch in two: the sequence boundary
+/// nearest the middle (no sequence on both sides), or `None` when there
+/// is none (one sequence, or sequences whose tokens interleave).
+///
+/// The cut is exact: every row is computed as in the whole batch. ggml's
+/// repacked Q4_K matmul computes rows four at a time up to the last whole
+/// four, and the rest one at a time; a cut at a multiple of 4 (or in a
+/// batch of fewer than 4 rows, all computed one at a time) keeps each
+/// row's kernel. Every other op computes a row by itself.
+fn group_split(seq: &[u32]) -> Option<usize> {
+    let n = seq.len();
+    let mut last = std::collections::HashMap::new();
+    for (i, &s) in seq.iter().enumerate() {
+        last.insert(s, i);
+    }
+    // A cut before i is clean when every sequence seen so far ends before i.
+    let mut reach = 0;
+    let mut best: Option<usize> = None;
+    for (i, &s) in seq.iter().enumerate() {
+        let exact = n < 4 || i % 4 == 0;
+        if i > 0 && exact && reach < i && best.is_none_or(|b| b.abs_diff(n / 2) > i.abs_diff(n / 2))
+        {
+            best = Some(i);
+        }
+        reach = reach.max(last[&s]);
+    }
+    best
+}
+
+/// The two groups' outputs as one step's.
+fn merge(a: StageOutput, b: StageOutput, m: usize) -> Result<StageOutput, EngineError> {
+    match (a, b) {
+        (StageOutput::Hidden(mut a), StageOutput::Hidden(b)) => {
+            a.n_tokens += b.n_tokens;
+            a.data.extend(b.data);
+            Ok(StageOutput::Hidden(a))
+        }
+        (StageOutput::Logits(mut a), StageOutput::Logits(b)) => {
+            a.rows.extend(b.rows.iter().map(|r| r + m));
+            a.data.extend(b.data);
+            Ok(StageOutput::Logits(a))
+        }
+        _ => Err(EngineError::Experts(
+            "an overlapped step's groups gave different kinds of output".into(),
+        )),
     }
 }
 
@@ -436,5 +687,28 @@ fn executor_share(
             };
             (Some(s.rows), Some(batch))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::group_split;
+
+    #[test]
+    fn groups_split_between_sequences_where_every_row_keeps_its_kernel() {
+        // Decode steps: one token per sequence.
+        assert_eq!(group_split(&[0, 1]), Some(1));
+        assert_eq!(group_split(&[0, 1, 2]), Some(1));
+        assert_eq!(group_split(&[0, 1, 2, 3, 4, 5, 6, 7]), Some(4));
+        // 6 rows: only a cut at 4 keeps rows 0-3 four at a time.
+        assert_eq!(group_split(&[0, 1, 2, 3, 4, 5]), Some(4));
+        assert_eq!(group_split(&[0, 1, 2, 3, 4]), Some(4));
+        // A prompt beside decodes: the boundary nearest the middle.
+        assert_eq!(group_split(&[0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4]), Some(8));
+        // One sequence, or sequences that interleave: no cut.
+        assert_eq!(group_split(&[3]), None);
+        assert_eq!(group_split(&[3, 3, 3, 3]), None);
+        assert_eq!(group_split(&[0, 1, 0, 1]), None);
+        assert_eq!(group_split(&[0, 0, 0, 1, 1]), None);
     }
 }

@@ -39,6 +39,19 @@ impl Batch {
         self.seq.push(seq);
         self.logits.push(logits);
     }
+    /// The tokens `r` of the batch, as a batch of their own.
+    pub(super) fn range(&self, r: std::ops::Range<usize>) -> Batch {
+        let part = |v: &[u32]| v.get(r.clone()).map_or(Vec::new(), <[u32]>::to_vec);
+        Batch {
+            tokens: part(&self.tokens),
+            pos: self.pos[r.clone()].to_vec(),
+            seq: self.seq[r.clone()].to_vec(),
+            logits: self.logits[r.clone()].to_vec(),
+            cells: self.cells.get(r).map_or(Vec::new(), <[i64]>::to_vec),
+            invariant: self.invariant,
+        }
+    }
+
     pub(super) fn validate(&self, need_tokens: bool) -> Result<(), EngineError> {
         let n = self.pos.len();
         if n == 0 {
@@ -81,6 +94,15 @@ pub enum HiddenDtype {
 pub(super) const HIDDEN_MAGIC: &[u8; 4] = b"OMHS";
 
 impl Hidden {
+    /// Rows `r` (tokens) of a state `n_embd` wide.
+    pub(super) fn rows(&self, r: std::ops::Range<usize>, n_embd: usize) -> Hidden {
+        Hidden {
+            n_tokens: r.len(),
+            n_embd,
+            data: self.data[r.start * n_embd..r.end * n_embd].to_vec(),
+        }
+    }
+
     /// `OMHS`, dtype (u8: 0 f32, 1 f16), 3 zero bytes, n_tokens u32, n_embd u32, then the values, little-endian.
     pub fn to_bytes(&self, dtype: HiddenDtype) -> Vec<u8> {
         let elem = if dtype == HiddenDtype::F32 { 4 } else { 2 };

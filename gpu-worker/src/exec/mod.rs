@@ -37,6 +37,12 @@ pub struct ExecStats {
     pub errors: AtomicU64,
     /// Time steps spent waiting for expert workers, in microseconds.
     pub expert_wait_us: AtomicU64,
+    /// Expert calls' round trips and the workers' compute, every link's
+    /// since the worker started (links are made anew at each wiring).
+    pub expert_calls: Arc<omni_transport::experts::CallTiming>,
+    /// Steps run as two micro-batch groups beside the expert workers
+    /// (`--expert-overlap`).
+    pub overlapped_steps: AtomicU64,
     /// Offloaded layers' routing statistics and device experts, as of the
     /// last refresh (every `ExpertPolicy::every` steps).
     pub experts: Mutex<Vec<ExpertUse>>,
@@ -667,8 +673,12 @@ impl StageRun {
                     stage.offloaded_layers()
                 )
             })?;
+            let before = stage.overlapped_steps();
             let r = stage.forward_with(&batch, input.as_ref(), experts);
             waited = experts.take_waited();
+            self.stats
+                .overlapped_steps
+                .fetch_add(stage.overlapped_steps() - before, Ordering::Relaxed);
             r
         }
         .map_err(|e| e.to_string())?;

@@ -25,6 +25,7 @@ fn actual_and_estimate(
         device: Default::default(),
         repack: false,
         deterministic: false,
+        expert_overlap: false,
     };
     let actual = Stage::load(m.clone(), r.clone(), sc)
         .unwrap()

@@ -1,0 +1,451 @@
+//! `omnictl bench-moe`: the hybrid MoE case, side by side in one run:
+//! decode and prefill of one local cluster with every layer in one stage,
+//! of the same with the routed experts on an expert worker, and of
+//! llama.cpp on the CPU; then where a decode token's time went with the
+//! expert worker (the stage's own compute, the experts' compute, the calls
+//! between processes) and the expert worker's weight bytes per second per
+//! core. Made for `omnictl synth` files (an R1-shaped slice), and any MoE
+//! model.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use omni_proto::coordinator::v1::{
+    generate_request::Prompt, inference_client::InferenceClient, GenerateRequest, TokenIds,
+};
+use tokio_stream::StreamExt;
+
+use crate::bench::median;
+use crate::bench_cluster::{decode_rate, free_port};
+use crate::up::{LocalCluster, UpArgs};
+
+#[derive(Args, Debug)]
+pub struct BenchMoeArgs {
+    /// A MoE GGUF (an `omnictl synth` file, or any MoE model).
+    #[arg(long, short)]
+    pub model: String,
+    /// Compute threads of each process (and of llama.cpp).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Prompt tokens to prefill.
+    #[arg(long, default_value_t = 512)]
+    pub pp: usize,
+    /// Tokens to decode per run.
+    #[arg(long, default_value_t = 32)]
+    pub tg: usize,
+    /// Timed runs per test (after one warm-up); the median is reported.
+    #[arg(long, short, default_value_t = 3)]
+    pub runs: usize,
+    /// llama.cpp's `llama-bench` (`scripts/llama-bench portable`): its pp and
+    /// tg on the same file and threads, all on the CPU, and the ratios.
+    #[arg(long)]
+    pub llama_bench: Option<std::path::PathBuf>,
+    /// Also measure two streams with the stage and the expert worker on
+    /// cores of their own (the stage on the first of this process's CPUs,
+    /// the expert worker on the second, one thread each), with
+    /// `--expert-overlap` off and on: the aggregate decode rate of each.
+    #[arg(long)]
+    pub overlap: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One configuration's figures.
+#[derive(Default, serde::Serialize)]
+struct Row {
+    config: &'static str,
+    decode_tok_s: f64,
+    prefill_tok_s: Option<f64>,
+    /// Per decode token, ms (the expert worker's row only).
+    breakdown: Option<Breakdown>,
+}
+
+#[derive(Default, serde::Serialize, Clone, Copy)]
+struct Breakdown {
+    step_ms: f64,
+    /// The stage's compute, less its waits for the expert worker.
+    stage_ms: f64,
+    /// What the expert worker said it computed.
+    experts_ms: f64,
+    /// Expert call round trips less the worker's compute: the calls' cost
+    /// between processes (ring or gRPC, waking threads, copies).
+    calls_ms: f64,
+    /// The part of the round trips the stage sat waiting for.
+    wait_ms: f64,
+    calls_per_token: f64,
+    /// Routed expert weights read per token, and per second per core.
+    expert_bytes: f64,
+    expert_gb_s_core: f64,
+}
+
+pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
+    let path = crate::resolve_model(&a.model)?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let model = omni_engine::ModelFile::open(&path)?;
+    let hp = model.hparams.clone();
+    let moe = hp.moe.clone().with_context(|| {
+        format!(
+            "{} ({}) has no routed experts: bench-moe measures MoE models",
+            path.display(),
+            hp.arch.name()
+        )
+    })?;
+    let expert_bytes = routed_bytes_per_token(&model, moe.n_expert_used as u64);
+    let n_vocab = hp.n_vocab as u64;
+    drop(model);
+    eprintln!(
+        "omnictl bench-moe: {} ({}, {} layers, {} experts, {} used), {threads} threads per process; \
+         routed expert weights read per decode token: {}",
+        path.display(),
+        hp.arch.name(),
+        hp.n_layer,
+        moe.n_expert,
+        moe.n_expert_used,
+        omni_engine::fmt_bytes(expert_bytes)
+    );
+
+    let mut rows = Vec::new();
+    let mut ids = Ids::new(n_vocab);
+    for (config, cpu_workers) in [("1 stage", 0usize), ("1 stage + expert worker, shm", 1)] {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let up = UpArgs {
+            cpu_workers,
+            experts: (cpu_workers > 0).then(|| "cpu".into()),
+            admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+            ctx: (a.pp + a.tg + 64).next_multiple_of(256).max(1024),
+            ..UpArgs::bench(&a.model, 1, "shm", &listen, threads)
+        };
+        eprintln!("{config}: starting");
+        let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
+        let result = (|| {
+            cluster.wait_ready(&listen, Duration::from_secs(600))?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
+            let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+            let mut before = None;
+            for i in 0..=a.runs {
+                if i == 1 {
+                    before = Some(rt.block_on(crate::remote::statuses(&info))?);
+                }
+                // A fresh prompt every time: the prefix cache must not
+                // shorten the prefill, or start the decode warm.
+                // One prompt token: every step of the run is a one-token
+                // step, so the breakdown is a decode token's.
+                let (r, _) = rt.block_on(decode_rate(&listen, &ids.take(1), a.tg, None))?;
+                if i > 0 {
+                    decode.push(r);
+                }
+            }
+            let after = rt.block_on(crate::remote::statuses(&info))?;
+            let breakdown = before
+                .filter(|_| cpu_workers > 0)
+                .map(|b| breakdown(&b, &after, expert_bytes, threads));
+            for i in 0..=a.runs.min(3) {
+                let t = rt.block_on(prefill_seconds(&listen, &ids.take(a.pp)))?;
+                if i > 0 {
+                    prefill.push(a.pp as f64 / t);
+                }
+            }
+            anyhow::Ok(Row {
+                config,
+                decode_tok_s: median(&mut decode),
+                prefill_tok_s: Some(median(&mut prefill)),
+                breakdown,
+            })
+        })();
+        cluster.stop();
+        let row = result.with_context(|| format!("benchmark '{config}'"))?;
+        eprintln!(
+            "{config}: decode {:.2} tok/s, prefill {:.1} tok/s",
+            row.decode_tok_s,
+            row.prefill_tok_s.unwrap_or(0.0)
+        );
+        rows.push(row);
+    }
+    let overlap = if a.overlap {
+        Some(overlap_rates(&a, &path, &mut ids)?)
+    } else {
+        None
+    };
+    if let Some(bin) = &a.llama_bench {
+        rows.push({
+            let r = crate::bench::llama_bench(
+                bin,
+                &path,
+                threads,
+                &[a.pp],
+                a.tg,
+                a.runs,
+                omni_engine::Device::Cpu,
+            )?;
+            let get = |t: String| r.iter().find(|(n, _)| *n == t).map(|(_, v)| *v);
+            Row {
+                config: "llama.cpp (llama-bench, CPU)",
+                decode_tok_s: get(format!("tg{}", a.tg)).unwrap_or(0.0),
+                prefill_tok_s: get(format!("pp{}", a.pp)),
+                breakdown: None,
+            }
+        });
+    }
+    report(&a, &path, threads, &rows, overlap)
+}
+
+/// Two streams' aggregate decode rate, the stage pinned to one core and
+/// the expert worker to another, with `--expert-overlap` off, then on.
+fn overlap_rates(
+    a: &BenchMoeArgs,
+    path: &std::path::Path,
+    ids: &mut Ids,
+) -> anyhow::Result<(f64, f64)> {
+    let cpus = omni_telemetry::cpus::allowed();
+    anyhow::ensure!(
+        cpus.len() >= 2,
+        "--overlap gives the stage and the expert worker a core each: this process may run on {} CPU",
+        cpus.len()
+    );
+    let mut rates = Vec::new();
+    for overlap in ["off", "on"] {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let up = UpArgs {
+            cpu_workers: 1,
+            experts: Some("cpu".into()),
+            seqs: 2,
+            admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+            ctx: (a.tg + 64).next_multiple_of(256).max(1024),
+            pin: [
+                ("w0".to_string(), vec![cpus[0]]),
+                ("c0".to_string(), vec![cpus[1]]),
+            ]
+            .into(),
+            extra_args: [(
+                "w0".to_string(),
+                vec!["--expert-overlap".to_string(), overlap.to_string()],
+            )]
+            .into(),
+            ..UpArgs::bench(&a.model, 1, "shm", &listen, 1)
+        };
+        eprintln!("2 streams, own cores, --expert-overlap {overlap}: starting");
+        let mut cluster = LocalCluster::start(&up, path, 1, true)?;
+        let result = (|| {
+            cluster.wait_ready(&listen, Duration::from_secs(600))?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let mut runs = Vec::new();
+            for i in 0..=a.runs {
+                let (p0, p1) = (ids.take(1), ids.take(1));
+                let (r0, r1) = rt.block_on(async {
+                    tokio::join!(
+                        decode_rate(&listen, &p0, a.tg, None),
+                        decode_rate(&listen, &p1, a.tg, None)
+                    )
+                });
+                if i > 0 {
+                    runs.push(r0?.0 + r1?.0);
+                }
+            }
+            let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
+            let st = rt.block_on(crate::remote::statuses(&info))?;
+            let overlapped: u64 = st.iter().map(|s| s.overlapped_steps).sum();
+            anyhow::ensure!(
+                (overlap == "on") == (overlapped > 0),
+                "--expert-overlap {overlap}, yet {overlapped} steps overlapped"
+            );
+            anyhow::Ok(median(&mut runs))
+        })();
+        cluster.stop();
+        let r = result.with_context(|| format!("two streams, --expert-overlap {overlap}"))?;
+        eprintln!("2 streams, own cores, --expert-overlap {overlap}: {r:.2} tok/s in all");
+        rates.push(r);
+    }
+    Ok((rates[0], rates[1]))
+}
+
+/// Random token ids, as llama-bench uses: a new run never repeats a prompt.
+struct Ids {
+    state: u64,
+    n_vocab: u64,
+}
+
+impl Ids {
+    fn new(n_vocab: u64) -> Ids {
+        Ids {
+            state: 0x9E37_79B9_7F4A_7C15,
+            n_vocab,
+        }
+    }
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                self.state ^= self.state << 13;
+                self.state ^= self.state >> 7;
+                self.state ^= self.state << 17;
+                // Past the few special tokens at the start of a vocabulary.
+                (16 + self.state % (self.n_vocab - 16).max(1)) as u32
+            })
+            .collect()
+    }
+}
+
+/// Bytes of routed expert weights one token reads: `n_used` experts' gate,
+/// up and down matrices in every MoE layer.
+fn routed_bytes_per_token(m: &omni_engine::ModelFile, n_used: u64) -> u64 {
+    m.gguf
+        .tensors()
+        .iter()
+        .filter(|t| {
+            ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+                .iter()
+                .any(|n| t.name.contains(n))
+        })
+        .map(|t| t.size / t.dims.last().copied().unwrap_or(1).max(1) * n_used)
+        .sum()
+}
+
+/// Seconds to prefill `prompt` and sample one token, through the cluster.
+async fn prefill_seconds(addr: &str, prompt: &[u32]) -> anyhow::Result<f64> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?;
+    let mut c = InferenceClient::new(ch);
+    let req = GenerateRequest {
+        prompt: Some(Prompt::Ids(TokenIds {
+            ids: prompt.to_vec(),
+        })),
+        max_tokens: Some(1),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let mut stream = c.generate(req).await?.into_inner();
+    while let Some(ev) = stream.next().await {
+        ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Where the decode steps between two readings of the stage's Status went.
+fn breakdown(
+    before: &[omni_proto::worker::v1::StatusReply],
+    after: &[omni_proto::worker::v1::StatusReply],
+    expert_bytes: u64,
+    threads: usize,
+) -> Breakdown {
+    let d = |f: fn(&omni_proto::worker::v1::StatusReply) -> f64| {
+        after.iter().map(f).sum::<f64>() - before.iter().map(f).sum::<f64>()
+    };
+    // Every step of the decode runs is one token.
+    let steps = (after.first().map_or(0, |s| s.steps) - before.first().map_or(0, |s| s.steps))
+        .max(1) as f64;
+    let per = |x: f64| 1e3 * x / steps;
+    let wait = d(|s| s.expert_wait_seconds);
+    let compute = d(|s| s.expert_compute_seconds);
+    let experts_ms = per(compute);
+    Breakdown {
+        step_ms: per(d(|s| s.compute_seconds)),
+        stage_ms: per(d(|s| s.compute_seconds) - wait),
+        experts_ms,
+        calls_ms: per(d(|s| s.expert_round_trip_seconds) - compute),
+        wait_ms: per(wait),
+        calls_per_token: d(|s| s.expert_calls as f64) / steps,
+        expert_bytes: expert_bytes as f64,
+        expert_gb_s_core: expert_bytes as f64 / (experts_ms / 1e3).max(1e-9) / 1e9 / threads as f64,
+    }
+}
+
+fn report(
+    a: &BenchMoeArgs,
+    path: &std::path::Path,
+    threads: usize,
+    rows: &[Row],
+    overlap: Option<(f64, f64)>,
+) -> anyhow::Result<()> {
+    let reference = rows
+        .last()
+        .filter(|_| a.llama_bench.is_some())
+        .map(|r| (r.decode_tok_s, r.prefill_tok_s));
+    if a.json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                let mut j = serde_json::to_value(r).unwrap_or_default();
+                if let Some((decode, prefill)) = reference {
+                    j["decode_vs_llama_cpp"] = (r.decode_tok_s / decode).into();
+                    if let (Some(p), Some(rp)) = (r.prefill_tok_s, prefill) {
+                        j["prefill_vs_llama_cpp"] = (p / rp).into();
+                    }
+                }
+                j
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "model": path, "threads_per_process": threads, "pp": a.pp, "tg": a.tg,
+                "runs": a.runs, "rows": v,
+                "two_streams_own_cores": overlap.map(|(off, on)| serde_json::json!({
+                    "overlap_off_tok_s": off, "overlap_on_tok_s": on, "ratio": on / off,
+                })),
+            }))?
+        );
+        return Ok(());
+    }
+    println!(
+        "model {} | {threads} thread(s) per process | pp{} and tg{}, median of {}",
+        path.display(),
+        a.pp,
+        a.tg,
+        a.runs
+    );
+    println!(
+        "{:<32} {:>10} {:>9} {:>11} {:>9}",
+        "config", "decode t/s", "vs llama", "prefill t/s", "vs llama"
+    );
+    for r in rows {
+        let vs = |x: Option<f64>, y: Option<f64>| match (x, y) {
+            (Some(x), Some(y)) if y > 0.0 => format!("{:.2}x", x / y),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<32} {:>10.2} {:>9} {:>11} {:>9}",
+            r.config,
+            r.decode_tok_s,
+            vs(Some(r.decode_tok_s), reference.map(|x| x.0)),
+            r.prefill_tok_s.map_or("-".into(), |p| format!("{p:.1}")),
+            vs(r.prefill_tok_s, reference.and_then(|x| x.1))
+        );
+    }
+    for r in rows {
+        let Some(b) = r.breakdown else { continue };
+        println!(
+            "{}: a decode step {:.2} ms = stage {:.2} ms + waiting for experts {:.2} ms; \
+             the expert worker computed {:.2} ms, the {:.0} calls cost {:.3} ms between processes \
+             ({:.1}% of the step, {:.0} µs a call); routed expert weights {} a token, \
+             {:.2} GB/s per core on the expert worker",
+            r.config,
+            b.step_ms,
+            b.stage_ms,
+            b.wait_ms,
+            b.experts_ms,
+            b.calls_per_token,
+            b.calls_ms,
+            100.0 * b.calls_ms / b.step_ms.max(1e-9),
+            1e3 * b.calls_ms / b.calls_per_token.max(1.0),
+            omni_engine::fmt_bytes(b.expert_bytes as u64),
+            b.expert_gb_s_core
+        );
+    }
+    if let Some((off, on)) = overlap {
+        println!(
+            "two streams, the stage and the expert worker on a core each: {on:.2} tok/s in all with \
+             --expert-overlap on, {off:.2} off ({:.2}x)",
+            on / off
+        );
+    }
+    Ok(())
+}
