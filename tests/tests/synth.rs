@@ -236,3 +236,51 @@ fn the_same_seed_writes_the_same_file_and_bad_requests_say_why() {
         assert!(!out.exists() && !dir.path().join("r1.gguf.partial").exists());
     }
 }
+
+/// `omnictl bench-moe` on a small slice: every row and the breakdown of a
+/// decode step with the experts on an expert worker; a dense model is
+/// refused with the reason.
+#[test]
+fn bench_moe_prints_each_configuration_and_where_a_step_went() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = slice(dir.path(), "qwen3-30b-a3b");
+    let o = Command::new(target_bin("omnictl"))
+        .args(["bench-moe", "--model"])
+        .arg(&path)
+        .args([
+            "-t", "1", "--pp", "16", "--tg", "4", "--runs", "1", "--json",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    for r in rows {
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let b = &rows[1]["breakdown"];
+    assert_eq!(
+        b["calls_per_token"].as_f64(),
+        Some(2.0),
+        "two MoE layers: {b}"
+    );
+    assert!(b["experts_ms"].as_f64().unwrap() > 0.0, "{b}");
+    assert!(
+        b["step_ms"].as_f64().unwrap() >= b["experts_ms"].as_f64().unwrap() * 0.5,
+        "{b}"
+    );
+
+    let o = Command::new(target_bin("omnictl"))
+        .args(["bench-moe", "--model"])
+        .arg(omni_tests::fixtures::model(omni_tests::fixtures::GEMMA))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("has no routed experts"),
+        "{err}"
+    );
+}
