@@ -62,7 +62,9 @@ pub struct StageConfig {
     /// step as two micro-batch groups: the stage computes one group's
     /// layers while the expert executor computes the other's experts (a
     /// GPU stage beside a CPU expert worker, or CPU workers on cores of
-    /// their own). Exact: every row computes as in the whole batch.
+    /// their own). A batch-invariant step computes exactly what the whole
+    /// batch would; otherwise a row moves in its last bits as batching
+    /// moves it (see `run.rs`'s `group_split`).
     #[serde(default)]
     pub expert_overlap: bool,
 }

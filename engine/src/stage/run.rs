@@ -586,11 +586,14 @@ struct PendingCut {
 /// nearest the middle (no sequence on both sides), or `None` when there
 /// is none (one sequence, or sequences whose tokens interleave).
 ///
-/// The cut is exact: every row is computed as in the whole batch. ggml's
-/// repacked Q4_K matmul computes rows four at a time up to the last whole
-/// four, and the rest one at a time; a cut at a multiple of 4 (or in a
-/// batch of fewer than 4 rows, all computed one at a time) keeps each
-/// row's kernel. Every other op computes a row by itself.
+/// The cut keeps the repacked Q4_K matmul's kernel for every row: it
+/// computes rows four at a time up to the last whole four and the rest one
+/// at a time, so the cut falls on a multiple of 4 (or anywhere in a batch
+/// of fewer than 4 rows, all computed one at a time). Other kernels choose
+/// by a batch's size too (llamafile's from 2 rows, attention's tiles from
+/// 64), so a group's rows can differ in their last bits from the whole
+/// batch's, as any batching moves them; a batch-invariant step's kernels
+/// do not choose, and its groups compute exactly what the whole would.
 fn group_split(seq: &[u32]) -> Option<usize> {
     let n = seq.len();
     let mut last = std::collections::HashMap::new();
