@@ -476,7 +476,8 @@ fn bad_expert_inputs_are_errors() {
     );
     assert!(err(ex.run(2, &[], &[], &[])).contains("0 values"));
 
-    // Through the executor interface: wait without submit, double submit.
+    // Through the executor interface: wait without submit, a third submit
+    // while two wait (an overlapped step's two groups), answers in order.
     assert!(ex.wait().unwrap_err().to_string().contains("without"));
     let b = ExpertBatch {
         layer: 3,
@@ -487,8 +488,18 @@ fn bad_expert_inputs_are_errors() {
         invariant: false,
     };
     ex.submit(b.clone()).unwrap();
-    assert!(ex.submit(b.clone()).is_err());
+    ex.submit(ExpertBatch {
+        n_tokens: 1,
+        x: x[..e].to_vec(),
+        ids: ids[..ids.len() / 2].to_vec(),
+        weights: w[..w.len() / 2].to_vec(),
+        ..b.clone()
+    })
+    .unwrap();
+    let third = ex.submit(b.clone()).unwrap_err().to_string();
+    assert!(third.contains("2 batches not yet waited for"), "{third}");
     assert_eq!(ex.wait().unwrap().len(), 2 * e);
+    assert_eq!(ex.wait().unwrap().len(), e);
     ex.submit(ExpertBatch { n_tokens: 3, ..b }).unwrap_err();
 
     // Layers without experts, or outside the model or the stage.

@@ -132,13 +132,7 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
 }
 
 /// Free bytes for an unprivileged writer on the file system holding `dir`.
-fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated path and `st` a statvfs to fill.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+fn free_bytes(dir: &std::path::Path) -> nix::Result<u64> {
+    let st = nix::sys::statvfs::statvfs(dir)?;
+    Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
 }

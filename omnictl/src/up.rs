@@ -249,29 +249,22 @@ pub struct LocalCluster {
 /// restarted again: something is wrong that a restart does not fix.
 const MAX_RESTARTS_PER_MINUTE: usize = 5;
 
-/// A benchmark's settings for the child `name`: its flags, and the CPUs
-/// it may run on (set in the child before it starts, as `taskset` does).
-fn bench_settings(a: &UpArgs, name: &str, cmd: &mut Command) {
+/// The command of the child `name` running `bin`: under `taskset` when a
+/// benchmark pins it to some CPUs, with a benchmark's extra flags.
+fn child_command(a: &UpArgs, name: &str, bin: &std::path::Path) -> Command {
+    let mut cmd = match a.pin.get(name) {
+        Some(cpus) => {
+            let list: Vec<String> = cpus.iter().map(usize::to_string).collect();
+            let mut t = Command::new("taskset");
+            t.args(["-c", &list.join(",")]).arg(bin);
+            t
+        }
+        None => Command::new(bin),
+    };
     if let Some(extra) = a.extra_args.get(name) {
         cmd.args(extra);
     }
-    if let Some(cpus) = a.pin.get(name).cloned() {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: only sched_setaffinity, async-signal-safe, runs between
-        // fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                for &c in &cpus {
-                    libc::CPU_SET(c, &mut set);
-                }
-                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    }
+    cmd
 }
 
 impl LocalCluster {
@@ -358,7 +351,7 @@ impl LocalCluster {
         }
         for i in 0..a.stages {
             let name = format!("w{i}");
-            let mut w = Command::new(&worker_bin);
+            let mut w = child_command(a, &name, &worker_bin);
             let child_name = format!("{}{name}", a.prefix);
             // ggml's OpenMP threads spin after each graph; with several
             // stages on one machine an idle stage's spinning steals cores
@@ -383,14 +376,13 @@ impl LocalCluster {
             if let Some(d) = a.device.get(i).or(a.device.last()) {
                 w.args(["--device", &d.to_string()]);
             }
-            bench_settings(a, &name, &mut w);
             traced(&mut w);
             variant(&mut w);
             cluster.add(&child_name, w)?;
         }
         for i in 0..a.cpu_workers {
             let name = format!("c{i}");
-            let mut w = Command::new(sibling_binary("omni-cpu-worker")?);
+            let mut w = child_command(a, &name, &sibling_binary("omni-cpu-worker")?);
             if std::env::var_os("GOMP_SPINCOUNT").is_none() {
                 w.env("GOMP_SPINCOUNT", WORKER_SPINCOUNT);
             }
@@ -405,7 +397,6 @@ impl LocalCluster {
             if let Some(m) = &a.cpu_memory {
                 w.args(["--memory", m]);
             }
-            bench_settings(a, &name, &mut w);
             traced(&mut w);
             variant(&mut w);
             cluster.add(&format!("{}{name}", a.prefix), w)?;

@@ -55,11 +55,22 @@ pub fn omnictl_admin(
     )
 }
 
+/// A port nothing listens on now, never the same one twice in a test
+/// binary: ports asked for together (a router's and a coordinator's) are
+/// bound only later, and the kernel may offer a freed port again at once.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("binding port 0")
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("binding port 0")
+            .port();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// One child process with its output in a log file.
