@@ -453,25 +453,13 @@ pub(crate) async fn decode_rate(
     tg: usize,
     schema: Option<String>,
 ) -> anyhow::Result<(f64, Vec<u32>)> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-        .connect()
-        .await?;
-    let mut c = InferenceClient::new(ch);
-    let req = GenerateRequest {
-        prompt: Some(Prompt::Ids(TokenIds {
-            ids: prompt.to_vec(),
-        })),
-        max_tokens: Some((tg + 1) as u32),
-        ignore_eos: true,
-        sampling: schema.map(|s| omni_proto::worker::v1::Sampling {
-            grammar: Some(omni_proto::worker::v1::Grammar {
-                kind: Some(omni_proto::worker::v1::grammar::Kind::JsonSchema(s)),
-            }),
-            ..Default::default()
+    let sampling = schema.map(|s| omni_proto::worker::v1::Sampling {
+        grammar: Some(omni_proto::worker::v1::Grammar {
+            kind: Some(omni_proto::worker::v1::grammar::Kind::JsonSchema(s)),
         }),
         ..Default::default()
-    };
-    let mut stream = c.generate(req).await?.into_inner();
+    });
+    let mut stream = generate_ids(addr, prompt, tg + 1, sampling).await?;
     let (mut arrivals, mut ids) = (Vec::new(), Vec::new());
     while let Some(ev) = stream.next().await {
         let ev = ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
@@ -481,6 +469,29 @@ pub(crate) async fn decode_rate(
         }
     }
     Ok((rate_of(&arrivals)?, ids))
+}
+
+/// A greedy request for `max_tokens` after the token ids `prompt`, not
+/// stopping at end of generation, through the cluster at `addr`: its stream.
+pub(crate) async fn generate_ids(
+    addr: &str,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: Option<omni_proto::worker::v1::Sampling>,
+) -> anyhow::Result<tonic::Streaming<omni_proto::coordinator::v1::GenerateEvent>> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?;
+    let req = GenerateRequest {
+        prompt: Some(Prompt::Ids(TokenIds {
+            ids: prompt.to_vec(),
+        })),
+        max_tokens: Some(max_tokens as u32),
+        ignore_eos: true,
+        sampling,
+        ..Default::default()
+    };
+    Ok(InferenceClient::new(ch).generate(req).await?.into_inner())
 }
 
 /// Decode tokens per second from when each message of a stream came and

@@ -11,13 +11,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use omni_proto::coordinator::v1::{
-    generate_request::Prompt, inference_client::InferenceClient, GenerateRequest, TokenIds,
-};
 use tokio_stream::StreamExt;
 
 use crate::bench::median;
-use crate::bench_cluster::{decode_rate, free_port};
+use crate::bench_cluster::{decode_rate, free_port, generate_ids};
 use crate::up::{LocalCluster, UpArgs};
 
 #[derive(Args, Debug)]
@@ -309,20 +306,8 @@ fn routed_bytes_per_token(m: &omni_engine::ModelFile, n_used: u64) -> u64 {
 
 /// Seconds to prefill `prompt` and sample one token, through the cluster.
 async fn prefill_seconds(addr: &str, prompt: &[u32]) -> anyhow::Result<f64> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-        .connect()
-        .await?;
-    let mut c = InferenceClient::new(ch);
-    let req = GenerateRequest {
-        prompt: Some(Prompt::Ids(TokenIds {
-            ids: prompt.to_vec(),
-        })),
-        max_tokens: Some(1),
-        ignore_eos: true,
-        ..Default::default()
-    };
     let t = Instant::now();
-    let mut stream = c.generate(req).await?.into_inner();
+    let mut stream = generate_ids(addr, prompt, 1, None).await?;
     while let Some(ev) = stream.next().await {
         ev.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
     }

@@ -10,7 +10,7 @@
 //! part, the whole file again): `omnictl split` and `omnictl merge`.
 
 use super::parse;
-use super::write::{put_kv, put_str};
+use super::write::{put_kv, put_tensor_info};
 use super::{
     Gguf, GgufError, Header, OnceLock, Part, Result, TensorInfo, Value, DEFAULT_ALIGNMENT,
 };
@@ -350,13 +350,7 @@ pub fn write(
         let mut offset = 0u64;
         for &t in part {
             let t = &g.tensors()[t];
-            put_str(&mut head, t.name.as_bytes());
-            head.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
-            for d in &t.dims {
-                head.extend_from_slice(&d.to_le_bytes());
-            }
-            head.extend_from_slice(&t.ggml_type.id().to_le_bytes());
-            head.extend_from_slice(&offset.to_le_bytes());
+            put_tensor_info(&mut head, &t.name, &t.dims, t.ggml_type, offset);
             offset = (offset + t.size).next_multiple_of(alignment);
         }
         head.resize((head.len() as u64).next_multiple_of(alignment) as usize, 0);

@@ -66,6 +66,15 @@ pub fn put_kv(out: &mut Vec<u8>, key: &str, v: &Value) {
     put_value(out, v);
 }
 
+/// One entry of the tensor table: name, dims, type, data offset.
+pub fn put_tensor_info(out: &mut Vec<u8>, name: &str, dims: &[u64], ty: GgmlType, offset: u64) {
+    put_str(out, name.as_bytes());
+    out.extend((dims.len() as u32).to_le_bytes());
+    dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
+    out.extend(ty.id().to_le_bytes());
+    out.extend(offset.to_le_bytes());
+}
+
 /// One tensor of a file to write: its name, ggml dims (ne0 first) and type.
 #[derive(Clone, Debug)]
 pub struct TensorSpec {
@@ -101,11 +110,7 @@ pub fn header(kvs: &[(String, Value)], tensors: &[TensorSpec]) -> Result<(Vec<u8
             ne0: t.dims.first().copied().unwrap_or(0),
             block_size: t.ggml_type.block_size(),
         })?;
-        put_str(&mut out, t.name.as_bytes());
-        out.extend((t.dims.len() as u32).to_le_bytes());
-        t.dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
-        out.extend(t.ggml_type.id().to_le_bytes());
-        out.extend(offset.to_le_bytes());
+        put_tensor_info(&mut out, &t.name, &t.dims, t.ggml_type, offset);
         offset = (offset + size).next_multiple_of(ALIGNMENT);
     }
     out.resize((out.len() as u64).next_multiple_of(ALIGNMENT) as usize, 0);

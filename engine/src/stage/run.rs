@@ -125,6 +125,7 @@ impl Stage {
         kv_idx: &[i64],
         mut experts: Option<&mut dyn ExpertExec>,
     ) -> Result<StageOutput, EngineError> {
+        self.exec.set_batch_invariant(batch.invariant);
         let split = (self.cfg.expert_overlap && experts.is_some() && !self.offloaded.is_empty())
             .then(|| group_split(&batch.seq))
             .flatten();
@@ -171,13 +172,13 @@ impl Stage {
         let mut done: [Option<StageOutput>; 2] = [None, None];
         let mut pending: [Option<PendingCut>; 2] = [None, None];
         let mut result = Ok(());
-        'steps: for g in 0..2 {
+        for g in 0..2 {
             match self.advance(&mut runs[g], experts.as_deref_mut()) {
                 Ok(Progress::Done(o)) => done[g] = Some(o),
                 Ok(Progress::Cut(p)) => pending[g] = Some(p),
                 Err(e) => {
                     result = Err(e);
-                    break 'steps;
+                    break;
                 }
             }
         }
@@ -301,7 +302,6 @@ impl Stage {
         let hp = &model.hparams;
         let batch = r.batch;
         let n = batch.len();
-        self.exec.set_batch_invariant(batch.invariant);
         let Some(mut seg) = r.segments.next() else {
             unreachable!("the last segment ends the range")
         };
