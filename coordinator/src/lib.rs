@@ -127,11 +127,12 @@ pub struct CoordinatorConfig {
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// Where a prompt is cut into steps, which moves logits a little:
-    /// `ubatch` (every --ubatch tokens, as llama.cpp's llama_decode) or
-    /// `llama-server` (also 4 and 4 + --ubatch tokens before the end for
-    /// models with sliding-window layers, as llama-server does by default).
+    /// `llama-server` (every --ubatch tokens, and for models with
+    /// sliding-window layers also 4 and 4 + --ubatch tokens before the end,
+    /// as llama-server does by default) or `ubatch` (every --ubatch tokens
+    /// only, as llama.cpp's llama_decode and `llama-server --swa-full`).
     /// See docs/llama-cpp.md.
-    #[arg(long, default_value_t = omni_engine::PromptCuts::Ubatch)]
+    #[arg(long, default_value_t = omni_engine::PromptCuts::default())]
     pub prompt_cuts: omni_engine::PromptCuts,
     /// The prefix cache: a prompt starts from the KV cells of an earlier
     /// prompt with the same beginning and computes only the rest; finished

@@ -30,11 +30,13 @@ pub enum PromptCuts {
     /// `n_ubatch` tokens at a time from the first: llama.cpp's
     /// `llama_decode`, and llama-server for models without sliding-window
     /// layers (or with `--swa-full` / `--ctx-checkpoints 0`).
-    #[default]
     Ubatch,
     /// Also where llama-server cuts by default: 4 and 4 + `n_ubatch` tokens
     /// before the end of the prompt, for models with sliding-window layers
-    /// (the same as `Ubatch` for the others).
+    /// (the same as `Ubatch` for the others). The default: what a user of
+    /// llama.cpp's server gets from it (issue 45), at the price of one more
+    /// step for a sliding-window model's prompt.
+    #[default]
     LlamaServer,
 }
 

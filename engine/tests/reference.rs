@@ -79,6 +79,8 @@ fn check_reference(model_file: &str, fixture: &str, split: Option<&[u32]>) {
     let fx = json(fixture);
     let tolerance = tolerance();
     let mut engine = Engine::load(model(model_file), split, config(1)).expect("model loads");
+    // The fixtures decode each prompt as one batch (llama_decode's cuts).
+    engine.prompt_cuts = PromptCuts::Ubatch;
     let mut failures = Vec::new();
     let mut outcomes = Vec::new();
     for p in fx["prompts"].as_array().unwrap() {
@@ -374,6 +376,9 @@ fn check_batched(model_file: &str, fixture: &str) {
         .map(|p| ids(&p["prompt_ids"]))
         .collect();
     let mut engine = Engine::load(model(model_file), None, config(N)).unwrap();
+    // Solo prompts whole, as the batched steps below take them (a cut's
+    // own drift is not batching's).
+    engine.prompt_cuts = PromptCuts::Ubatch;
     let near_tie = if fixture_kernels() {
         NEAR_TIE
     } else {

@@ -70,11 +70,11 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
     /// Where the prompt is cut into steps, which moves logits a little:
-    /// `ubatch` (every --ubatch tokens, as llama.cpp's llama_decode) or
-    /// `llama-server` (also 4 and 4 + 512 tokens before the end for models
-    /// with sliding-window layers, as llama-server does by default). See
-    /// docs/llama-cpp.md.
-    #[arg(long, default_value_t = omni_engine::PromptCuts::Ubatch, conflicts_with = "coordinator")]
+    /// `llama-server` (every 512 tokens, and for models with sliding-window
+    /// layers also 4 and 4 + 512 tokens before the end, as llama-server does
+    /// by default) or `ubatch` (every 512 tokens only, as llama.cpp's
+    /// llama_decode and `llama-server --swa-full`). See docs/llama-cpp.md.
+    #[arg(long, default_value_t = omni_engine::PromptCuts::default(), conflicts_with = "coordinator")]
     pub prompt_cuts: omni_engine::PromptCuts,
     /// Run as chained layer ranges of these sizes, e.g. `--split 9,15`.
     #[arg(long, value_delimiter = ',')]

@@ -17,11 +17,12 @@
 //! prompt's comparison ends there). Prompts run from 8 tokens to past one
 //! `n_ubatch` (512), so the cluster prefills one of them in chunks.
 //!
-//! omni cuts prompts as llama-server does (`--prompt-cuts llama-server`):
-//! the same as its default for models without sliding-window layers, and
-//! for Gemma 3 4 tokens before the prompt's end (llama-server's context
-//! checkpoints; docs/llama-cpp.md). Gemma 3 is also checked with omni's
-//! default against `llama-server --swa-full`, which makes no checkpoints.
+//! omni runs with its defaults too, which cut prompts as llama-server does
+//! (`--prompt-cuts llama-server`): every `n_ubatch` tokens, and for Gemma 3
+//! also 4 tokens before the prompt's end (llama-server's context
+//! checkpoints; docs/llama-cpp.md). Gemma 3 is also checked with
+//! `--prompt-cuts ubatch` (llama_decode's cuts) against
+//! `llama-server --swa-full`, which makes no checkpoints.
 
 use omni_engine::{Engine, GenerateOptions, PromptCuts, StageConfig};
 use omni_tests::fixtures::{self, GEMMA, QWEN};
@@ -161,14 +162,17 @@ struct Step {
     gap: Option<f64>,
 }
 
-/// omni in this process, whole, prompts cut as `cuts` says.
-fn engine_greedy(model: &Path, prompts: &[Vec<u32>], cuts: PromptCuts) -> Vec<Vec<Step>> {
+/// omni in this process, whole, prompts cut as `cuts` says (None: as
+/// omni cuts them by default).
+fn engine_greedy(model: &Path, prompts: &[Vec<u32>], cuts: Option<PromptCuts>) -> Vec<Vec<Step>> {
     let mut cfg = StageConfig::default();
     cfg.kv.n_ctx = 2048;
     cfg.kv.n_seq = 1;
     cfg.n_threads = THREADS;
     let mut engine = Engine::load(model, None, cfg).expect("model loads");
-    engine.prompt_cuts = cuts;
+    if let Some(cuts) = cuts {
+        engine.prompt_cuts = cuts;
+    }
     let opts = GenerateOptions {
         max_tokens: STEPS,
         top_logprobs: 2,
@@ -190,17 +194,20 @@ fn engine_greedy(model: &Path, prompts: &[Vec<u32>], cuts: PromptCuts) -> Vec<Ve
         .collect()
 }
 
-/// omni through a 2-stage cluster (shared memory), prompts cut as `cuts`.
-fn cluster_greedy(model: &Path, prompts: &[Vec<u32>], cuts: PromptCuts) -> Vec<Vec<Step>> {
+/// omni through a 2-stage cluster (shared memory), prompts cut as `cuts`
+/// (None: the coordinator's default).
+fn cluster_greedy(model: &Path, prompts: &[Vec<u32>], cuts: Option<PromptCuts>) -> Vec<Vec<Step>> {
     let mut spec = ClusterSpec::new(2, "shm");
     spec.threads = THREADS;
     spec.ctx = 2048;
     spec.seqs = 1;
     // No prefix cache: every prompt computed from its first token, as
     // llama-server's cache_prompt: false.
-    spec.coordinator_args = ["--prompt-cuts", &cuts.to_string(), "--prefix-cache", "off"]
-        .map(String::from)
-        .to_vec();
+    spec.coordinator_args = ["--prefix-cache", "off"].map(String::from).to_vec();
+    if let Some(cuts) = cuts {
+        spec.coordinator_args
+            .extend(["--prompt-cuts".into(), cuts.to_string()]);
+    }
     let cluster = Cluster::start(model, &spec);
     let mut client = cluster.client().expect("the coordinator answers");
     prompts
@@ -275,9 +282,12 @@ fn check(
     model: &Path,
     prompts: &[Vec<u32>],
     server_args: &[&str],
-    cuts: PromptCuts,
+    cuts: Option<PromptCuts>,
     cluster: bool,
 ) {
+    let cuts_name = cuts.map_or("omni's default".to_string(), |c| {
+        format!("--prompt-cuts {c}")
+    });
     let server = LlamaServer::start(model, server_args);
     let reference: Vec<Vec<Step>> = prompts.iter().map(|p| server.greedy(p)).collect();
     drop(server);
@@ -293,7 +303,7 @@ fn check(
                 format!(", near tie at step {s} (compared up to it)")
             });
             eprintln!(
-                "{name} {how} (cut as {cuts}, llama-server {server_args:?}): prompt {i} ({} tokens): max |logprob diff| {worst:.4}{tie}",
+                "{name} {how} ({cuts_name}, llama-server {server_args:?}): prompt {i} ({} tokens): max |logprob diff| {worst:.4}{tie}",
                 prompts[i].len()
             );
             failures.extend(
@@ -358,30 +368,32 @@ fn fixture_prompts(fixture: &str) -> Vec<Vec<u32>> {
     prompts
 }
 
+/// Both with their defaults: omni cuts a Gemma prompt 4 tokens before
+/// its end as llama-server does.
 #[test]
-fn gemma3_cut_as_llama_server_matches_llama_server() {
+fn gemma3_matches_llama_server() {
     let p = fixtures::model(GEMMA);
     check(
         "gemma3",
         &p,
         &fixture_prompts("real_gemma3_270m.json"),
         &[],
-        PromptCuts::LlamaServer,
+        None,
         true,
     );
 }
 
-/// omni's default (prompts cut only every n_ubatch, as llama_decode)
-/// against llama-server without its context checkpoints.
+/// Prompts cut only every n_ubatch (as llama_decode) against llama-server
+/// without its context checkpoints.
 #[test]
-fn gemma3_matches_llama_server_with_a_full_sliding_window_cache() {
+fn gemma3_cut_as_llama_decode_matches_llama_server_with_a_full_sliding_window_cache() {
     let p = fixtures::model(GEMMA);
     check(
         "gemma3",
         &p,
         &fixture_prompts("real_gemma3_270m.json"),
         &["--swa-full"],
-        PromptCuts::Ubatch,
+        Some(PromptCuts::Ubatch),
         false,
     );
 }
@@ -394,7 +406,7 @@ fn qwen2_matches_llama_server() {
         &p,
         &fixture_prompts("real_qwen2_5_coder_0_5b.json"),
         &[],
-        PromptCuts::Ubatch,
+        None,
         true,
     );
 }
@@ -406,21 +418,14 @@ fn llama_and_qwen3_match_llama_server() {
     let llama = fixtures::llama_file(dir.path());
     // No BOS: the qwen3moe fixture's tokenizer adds none.
     let prompts = random_prompts(512, None);
-    check("llama", &llama, &prompts, &[], PromptCuts::Ubatch, true);
-    check("qwen3", &qwen3, &prompts, &[], PromptCuts::Ubatch, true);
+    check("llama", &llama, &prompts, &[], None, true);
+    check("qwen3", &qwen3, &prompts, &[], None, true);
 }
 
 #[test]
 fn qwen3moe_matches_llama_server() {
     let p = fixtures::synthetic("tiny-qwen3moe-q4_k_m.gguf");
-    check(
-        "qwen3moe",
-        &p,
-        &random_prompts(512, None),
-        &[],
-        PromptCuts::Ubatch,
-        true,
-    );
+    check("qwen3moe", &p, &random_prompts(512, None), &[], None, true);
 }
 
 #[test]
@@ -434,7 +439,7 @@ fn deepseek2_both_layouts_match_llama_server() {
             &p,
             &prompts,
             &[],
-            PromptCuts::Ubatch,
+            None,
             true,
         );
     }
