@@ -333,6 +333,7 @@ impl Live {
                 head: st.range.head,
                 stage: i as u32,
                 offloaded: st.offloaded.clone(),
+                stream_experts: st.stream_bytes > 0,
                 ..self.setup.load.clone()
             };
             let (id, addr) = self.addr(wi);

@@ -218,6 +218,7 @@ pub(crate) async fn load_stages(
             head: st.range.head,
             stage: i as u32,
             offloaded: st.offloaded.clone(),
+            stream_experts: st.stream_bytes > 0,
             ..load_request(cfg)
         };
         let (id, addr) = (w.id.clone(), w.addr.clone());

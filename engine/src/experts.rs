@@ -126,6 +126,7 @@ impl ExpertStage {
         let weights = Weights::load_named(
             &model,
             &wanted,
+            &[],
             crate::stage::Repack::all(cfg.repack),
             None,
             &mut |_, _| {},

@@ -54,7 +54,9 @@ pub use notation::{count, fmt_layers, parse_layers};
 pub use prompt_cuts::PromptCuts;
 pub use range::LayerRange;
 #[cfg(feature = "ggml")]
-pub use stage::{Batch, Hidden, HiddenDtype, Logits, Stage, StageConfig, StageOutput};
+pub use stage::{
+    Batch, Hidden, HiddenDtype, LocalExperts, Logits, Stage, StageConfig, StageOutput,
+};
 #[cfg(feature = "ggml")]
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use units::{fmt_bytes, parse_rate, parse_size};

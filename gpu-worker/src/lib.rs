@@ -99,6 +99,16 @@ pub struct WorkerConfig {
     /// only where the two have cores of their own (`taskset`, NUMA nodes).
     #[arg(long, value_enum, default_value_t = Overlap::Auto)]
     pub expert_overlap: Overlap,
+    /// On a GPU stage with routed experts on an expert worker: compute a
+    /// step's routed experts on the GPU, streaming their weights from host
+    /// memory (llama.cpp's op offload), for steps of this many tokens or
+    /// more (prompts), and send smaller ones (decoding) to the expert
+    /// worker. `auto`: from the step size where streaming a layer's experts
+    /// (timed at load) costs less than the expert worker's calls (timed as
+    /// they come); `off`: never. Never below ggml's own offload threshold
+    /// (GGML_OP_OFFLOAD_MIN_BATCH, 32). See docs/moe.md.
+    #[arg(long, default_value_t = omni_engine::LocalExperts::Auto)]
+    pub stream_experts: omni_engine::LocalExperts,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
@@ -544,6 +554,7 @@ impl worker_server::Worker for Svc {
             expert_compute_seconds: seconds(&calls.compute_us),
             expert_wait_seconds: seconds(&w.stats.expert_wait_us),
             overlapped_steps: w.stats.overlapped_steps.load(Ordering::Relaxed),
+            streamed_expert_steps: w.stats.streamed_expert_steps.load(Ordering::Relaxed),
         }))
     }
 }
@@ -589,6 +600,12 @@ impl Worker {
             repack: true,
             deterministic: req.deterministic,
             expert_overlap: false,
+            // Only where the plan kept room on the device for it.
+            local_experts: if req.stream_experts {
+                self.cfg.stream_experts
+            } else {
+                omni_engine::LocalExperts::Off
+            },
         };
         let cfg = StageConfig {
             expert_overlap: match self.cfg.expert_overlap {
@@ -622,6 +639,19 @@ impl Worker {
                 "the routed experts of layers {:?} are left to expert workers",
                 req.offloaded
             );
+            if cfg.device.is_gpu() {
+                match (cfg.local_experts, stage.local_experts_from()) {
+                    (omni_engine::LocalExperts::Off, _) => {}
+                    (_, Some(n)) => tracing::info!(
+                        "steps of {n} tokens or more compute them on {}, streamed from host memory (--stream-experts)",
+                        cfg.device
+                    ),
+                    (_, None) => tracing::info!(
+                        "prompt steps will compute them on {}, streamed from host memory, once the expert workers' calls are timed and streaming is cheaper (--stream-experts auto)",
+                        cfg.device
+                    ),
+                }
+            }
         }
         let hp = &stage.model().hparams;
         let reply_bytes = (

@@ -116,6 +116,11 @@ impl Worker {
             "Steps run as two micro-batch groups beside the expert workers (--expert-overlap)",
             ConstCounter::new(get(&s.overlapped_steps)),
         );
+        r.register(
+            "streamed_expert_steps",
+            "Steps that computed their routed experts on this GPU, streamed from host memory (--stream-experts)",
+            ConstCounter::new(get(&s.streamed_expert_steps)),
+        );
         if let Some(x) = self.experts.lock().unwrap().as_ref() {
             for route in x.routes() {
                 let sub = r

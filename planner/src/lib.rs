@@ -190,6 +190,7 @@ pub(crate) fn build(
                 bytes: costs.stage_bytes(i, &range, wk, &offloaded),
                 range,
                 offloaded,
+                stream_bytes: 0,
             }
         })
         .collect();
@@ -219,6 +220,8 @@ pub(crate) fn build(
     } else {
         vec![None; stages.len()]
     };
+
+    plan_streaming(&mut stages, &costs, &pools, &mut shared_used);
 
     let offloaded: Vec<u32> = stages
         .iter()
@@ -359,6 +362,47 @@ fn check_fit(
         })));
     }
     Ok(())
+}
+
+/// A GPU stage left with offloaded layers keeps room in its compute buffer
+/// for the largest of those layers' routed experts, which a prompt step
+/// streams from host memory to compute them on the device
+/// (`--stream-experts`), where that fits its budget (and what is left of
+/// memory it shares); otherwise it sends every step's experts to the expert
+/// workers.
+fn plan_streaming(
+    stages: &mut [StagePlan],
+    costs: &Costs<'_>,
+    pools: &Pools,
+    shared_used: &mut [u64],
+) {
+    for (i, s) in stages.iter_mut().enumerate() {
+        if !is_gpu(&s.device) {
+            continue;
+        }
+        let Some(need) = s
+            .offloaded
+            .iter()
+            .map(|&il| costs.expert[il as usize])
+            .max()
+        else {
+            continue;
+        };
+        let pool = pools.of_stage(i);
+        let mut room = s.bytes.budget.saturating_sub(s.bytes.total);
+        if let Some(p) = pool {
+            room = room.min(pools.shared[p].budget.saturating_sub(shared_used[p]));
+        }
+        if need > room {
+            continue;
+        }
+        s.stream_bytes = need;
+        s.bytes.compute += need;
+        s.bytes.total += need;
+        if let Some(p) = pool {
+            shared_used[p] += need;
+        }
+    }
 }
 
 /// Each stage takes its layers' experts back, in layer order, while it fits

@@ -378,5 +378,26 @@ fn stage_expert_note(
     if !kept.is_empty() {
         n.push_str(&format!("; it keeps those of {}", layers_phrase(&kept)));
     }
+    if crate::is_gpu(&s.device) {
+        if s.stream_bytes > 0 {
+            n.push_str(&format!(
+                "; prompt steps stream them to {} instead, a layer at a time (--stream-experts; {} of its compute buffer)",
+                s.device,
+                fmt_bytes(s.stream_bytes)
+            ));
+        } else {
+            n.push_str(&format!(
+                "; no room on {} to stream a layer's experts ({}) for prompt steps",
+                s.device,
+                fmt_bytes(
+                    s.offloaded
+                        .iter()
+                        .map(|&il| costs.expert[il as usize])
+                        .max()
+                        .unwrap_or(0)
+                )
+            ));
+        }
+    }
     Some(n)
 }

@@ -151,6 +151,12 @@ pub struct StagePlan {
     /// Layers of this stage whose routed experts run on an expert worker, ascending.
     #[serde(default)]
     pub offloaded: Vec<u32>,
+    /// On a GPU stage with offloaded layers: device memory kept for one
+    /// layer's routed experts streamed from host memory for a prompt step
+    /// (`omni-gpu-worker --stream-experts`), counted in `bytes.compute`;
+    /// 0 when the stage does not stream (no room, the CPU, nothing offloaded).
+    #[serde(default)]
+    pub stream_bytes: u64,
 }
 
 /// The routed experts one expert worker runs.

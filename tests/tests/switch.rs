@@ -53,6 +53,7 @@ impl Harness {
             repack: true,
             deterministic: false,
             expert_overlap: false,
+            local_experts: Default::default(),
         };
         let stage = Stage::load(model.clone(), whole(), cfg.clone()).unwrap();
         let dir = tempfile::tempdir().unwrap();

@@ -95,6 +95,11 @@ fn near(got: &[u32], reference: &[(u32, Vec<f32>)], what: &str) {
 /// `omnictl up` with `args`, lavapipe visible, the test's admin token, one
 /// thread per worker, shared memory, 2 sequences of 512 tokens.
 fn up(path: &Path, args: &[&str]) -> Supervised {
+    up_env(path, args, &[])
+}
+
+/// [`up`] with more environment variables.
+fn up_env(path: &Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
     let mut args = args.to_vec();
     args.extend([
         "--ctx",
@@ -106,15 +111,13 @@ fn up(path: &Path, args: &[&str]) -> Supervised {
         "--transport",
         "shm",
     ]);
-    Supervised::start(
-        path,
-        &args,
-        &[
-            VISIBLE,
-            ("OMNI_ADMIN_TOKEN", TOKEN),
-            ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
-        ],
-    )
+    let mut vars = vec![
+        VISIBLE,
+        ("OMNI_ADMIN_TOKEN", TOKEN),
+        ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
+    ];
+    vars.extend(env);
+    Supervised::start(path, &args, &vars)
 }
 
 fn admin(c: &Supervised, args: &[&str]) -> String {
@@ -339,30 +342,63 @@ fn the_compute_estimate_covers_what_ggml_reserves_on_the_device() {
             },
         ] {
             let st = omni_engine::Stage::load(file.clone(), range.clone(), cfg.clone()).unwrap();
-            let (device, host) = st.compute_bytes_split();
-            let plan = omni_planner::PlanConfig {
-                n_ctx: cfg.kv.n_ctx,
-                n_seq,
-                n_ubatch,
-                ..Default::default()
-            };
-            let estimate = omni_planner::compute_estimate(&hp, &range, &plan, true);
-            eprintln!(
-                "{} {range} (ubatch {n_ubatch}, {n_seq} x 1024 cells): ggml reserved {} on vulkan:0 + {} host; the planner's estimate {} ({:.2}x); ops on the CPU: {:?}",
-                path.file_name().unwrap().to_string_lossy(),
-                omni_engine::fmt_bytes(device as u64),
-                omni_engine::fmt_bytes(host as u64),
-                omni_engine::fmt_bytes(estimate),
-                estimate as f64 / (device + host).max(1) as f64,
-                st.fallback_ops()
-            );
-            assert!(
-                estimate >= (device + host) as u64,
-                "{}: the estimate {estimate} is below what ggml reserved ({device} + {host})",
-                path.display()
-            );
+            estimate_covers(&path, &st, 0, "");
         }
+        // A device stage whose routed experts are on an expert worker and
+        // streamed to it for prompt steps: the plan adds one layer's
+        // experts to the estimate (`StagePlan::stream_bytes`).
+        let offloaded = file.expert_layers();
+        if offloaded.is_empty() {
+            continue;
+        }
+        let range = omni_engine::stage::LayerRange::whole(n);
+        let streaming = omni_engine::StageConfig {
+            local_experts: omni_engine::LocalExperts::From(1),
+            ..cfg.clone()
+        };
+        let st =
+            omni_engine::Stage::load_offloaded(file.clone(), range, streaming, &offloaded).unwrap();
+        assert!(st.local_experts_from().is_some());
+        let stream = offloaded
+            .iter()
+            .map(|&il| file.expert_weight_bytes(il))
+            .max()
+            .unwrap();
+        estimate_covers(&path, &st, stream, ", experts streamed");
     }
+}
+
+/// The planner's estimate for stage `st` (plus `extra`, what the plan adds
+/// for it) against what ggml reserved for it: logged, and never low.
+fn estimate_covers(path: &Path, st: &omni_engine::Stage, extra: u64, what: &str) {
+    let cfg = st.config();
+    let range = st.range();
+    let (device, host) = st.compute_bytes_split();
+    let plan = omni_planner::PlanConfig {
+        n_ctx: cfg.kv.n_ctx,
+        n_seq: cfg.kv.n_seq,
+        n_ubatch: cfg.n_ubatch,
+        ..Default::default()
+    };
+    let hp = &st.model().hparams;
+    let estimate = omni_planner::compute_estimate(hp, range, &plan, true) + extra;
+    eprintln!(
+        "{} {range}{what} (ubatch {}, {} x {} cells): ggml reserved {} on vulkan:0 + {} host; the planner's estimate {} ({:.2}x); ops on the CPU: {:?}",
+        path.file_name().unwrap().to_string_lossy(),
+        cfg.n_ubatch,
+        cfg.kv.n_seq,
+        cfg.kv.n_ctx,
+        omni_engine::fmt_bytes(device as u64),
+        omni_engine::fmt_bytes(host as u64),
+        omni_engine::fmt_bytes(estimate),
+        estimate as f64 / (device + host).max(1) as f64,
+        st.fallback_ops()
+    );
+    assert!(
+        estimate >= (device + host) as u64,
+        "{}{what}: the estimate {estimate} is below what ggml reserved ({device} + {host})",
+        path.display()
+    );
 }
 
 /// Gemma 3 on a device stage and a CPU stage: its answer is the CPU's;
@@ -441,17 +477,29 @@ fn a_device_stage_serves_moves_caches_and_survives_kill_9() {
 
 /// The synthetic deepseek2 (MLA) on one device stage whose routed experts
 /// run on an expert worker, then with two experts per layer kept on the
-/// device (`--gpu-experts 2`): the CPU's answers; and a constrained answer
+/// device (`--gpu-experts 2`), then with the prompt's step computing them
+/// on the device, streamed from host memory (`--stream-experts`, ggml's
+/// offload threshold lowered to the prompt's size) while decoding steps
+/// call the expert worker: the CPU's answers; and a constrained answer
 /// (JSON) from Qwen with the head on the device.
 #[test]
 fn experts_leave_the_device_for_the_expert_worker_and_a_device_head_constrains() {
     let _serial = serial();
     vulkan();
     let path = synthetic("tiny-deepseek2-mla-q8_0.gguf");
-    let prompt = [1u32, 17, 42, 99, 5, 23, 8];
+    let prompt = [1u32, 17, 42, 99, 5, 23, 8, 61, 7, 300, 12, 40];
     const N: usize = 24;
     let want = cpu_reference(&path, &prompt, N);
-    for extra in [&[][..], &["--gpu-experts", "2"][..]] {
+    let off = [("OMNI_WORKER_STREAM_EXPERTS", "off")];
+    let streamed = [
+        ("OMNI_WORKER_STREAM_EXPERTS", "8"),
+        ("GGML_OP_OFFLOAD_MIN_BATCH", "8"),
+    ];
+    for (extra, env) in [
+        (&[][..], &off[..]),
+        (&["--gpu-experts", "2"][..], &off[..]),
+        (&[][..], &streamed[..]),
+    ] {
         let mut args = vec![
             "--stages",
             "1",
@@ -463,7 +511,7 @@ fn experts_leave_the_device_for_the_expert_worker_and_a_device_head_constrains()
             "cpu",
         ];
         args.extend(extra);
-        let c = up(&path, &args);
+        let c = up_env(&path, &args, env);
         let plan = admin(&c, &["plan"]);
         eprintln!("{plan}");
         assert!(plan.contains("vulkan:0"), "{plan}");
@@ -471,8 +519,21 @@ fn experts_leave_the_device_for_the_expert_worker_and_a_device_head_constrains()
         near(
             &got,
             &want,
-            &format!("experts on the expert worker {extra:?}"),
+            &format!("experts on the expert worker {extra:?} {env:?}"),
         );
+        // The prompt's step streamed the experts to the device or called
+        // the expert worker, as set; decoding always called it.
+        let st = c.statuses();
+        let streamed_steps: u64 = st.iter().map(|s| s.streamed_expert_steps).sum();
+        let calls: f64 = st.iter().map(|s| s.expert_round_trip_seconds).sum();
+        let want_streamed = u64::from(env == &streamed[..]);
+        assert_eq!(
+            streamed_steps,
+            want_streamed,
+            "{env:?}\n{}",
+            c.proc.log_text()
+        );
+        assert!(calls > 0.0, "decoding calls the expert worker: {st:?}");
     }
 
     // A JSON answer, constrained on the device stage that holds the head.

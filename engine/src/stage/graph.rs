@@ -48,7 +48,12 @@ impl Stage {
             .moe
             .as_ref()
             .map_or(0, |m| m.n_expert_used as usize);
-        let segments = self.segments(n);
+        let mut segments = self.segments(n, false);
+        if self.experts_may_be_here(n) {
+            // A full step's experts streamed to the device: one whole graph,
+            // holding the copies of a layer's experts.
+            segments.extend(self.segments(n, true));
+        }
         for &in_order in modes {
             let parts = GraphParts {
                 model: &self.model,
@@ -73,12 +78,24 @@ impl Stage {
     }
 
     /// The segments of a step: cut at each offloaded block, each resuming
-    /// the block the previous one cut (with `n_cut` tokens).
-    pub(super) fn segments(&self, n_cut: usize) -> Vec<Segment> {
+    /// the block the previous one cut (with `n_cut` tokens). With
+    /// `experts_here` (the stage computes the offloaded layers' routed
+    /// experts itself: [`Stage::experts_here`]) only the model's last
+    /// layer is cut, where a head stage keeps just the rows whose logits
+    /// are wanted (one per prompt): too few to be worth streaming a layer
+    /// (ggml would compute them on the CPU here, and the layer's rest and
+    /// the head beside them).
+    pub(super) fn segments(&self, n_cut: usize, experts_here: bool) -> Vec<Segment> {
         let hp = &self.model.hparams;
         let mut out = Vec::with_capacity(self.offloaded.len() + 1);
         let (mut resume, mut from) = (None, self.range.layers.start);
-        for &il in &self.offloaded {
+        let last_here = |il: u32| il + 1 == hp.n_layer && self.range.head;
+        for il in self
+            .offloaded
+            .iter()
+            .copied()
+            .filter(|&il| !experts_here || last_here(il))
+        {
             out.push(Segment {
                 resume,
                 layers: (from, il),

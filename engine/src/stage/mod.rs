@@ -7,6 +7,7 @@
 mod device_experts;
 mod graph;
 mod handover;
+mod local_experts;
 mod run;
 mod weights;
 mod wire;
@@ -67,6 +68,62 @@ pub struct StageConfig {
     /// moves it (see `run.rs`'s `group_split`).
     #[serde(default)]
     pub expert_overlap: bool,
+    /// On a GPU stage with offloaded experts: when a step is big enough,
+    /// compute its routed experts on the GPU, streaming their weights from
+    /// host memory (llama.cpp's op offload), instead of sending its tokens
+    /// to the expert executor. Ignored on the CPU.
+    #[serde(default)]
+    pub local_experts: LocalExperts,
+}
+
+/// When a GPU stage computes the routed experts of its offloaded layers
+/// itself, streaming their weights from host memory to the device for the
+/// step (ggml's scheduler copies a host-resident weight to the GPU for an
+/// op whose batch reaches the backend's offload threshold:
+/// `GGML_OP_OFFLOAD_MIN_BATCH`, 32 by default). Streaming a layer's experts
+/// costs the same for any batch, while the expert executor's time grows
+/// with the tokens sent, so it pays from some batch size up: prompt steps,
+/// not decoding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum LocalExperts {
+    /// Always the executor.
+    #[default]
+    Off,
+    /// From the batch size where streaming is measured to cost less than
+    /// the executor: the stage times a host-to-device copy at load and the
+    /// executor's calls as they come (time per token of its calls of at
+    /// least the offload threshold's size); until it has timed one, the
+    /// executor.
+    Auto,
+    /// From this many tokens in a step (at least ggml's offload threshold).
+    From(usize),
+}
+
+impl std::str::FromStr for LocalExperts {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(LocalExperts::Off),
+            "auto" => Ok(LocalExperts::Auto),
+            n => match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(LocalExperts::From(n)),
+                _ => Err(format!(
+                    "'{s}' is not off, auto or a number of tokens of at least 1"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for LocalExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LocalExperts::Off => f.write_str("off"),
+            LocalExperts::Auto => f.write_str("auto"),
+            LocalExperts::From(n) => write!(f, "{n}"),
+        }
+    }
 }
 
 impl Default for StageConfig {
@@ -82,6 +139,7 @@ impl Default for StageConfig {
             repack: true,
             deterministic: false,
             expert_overlap: false,
+            local_experts: LocalExperts::Off,
         }
     }
 }
@@ -114,6 +172,9 @@ pub struct Stage {
     side_arena: GraphArena,
     /// Steps run as two interleaved groups (`StageConfig::expert_overlap`).
     overlapped_steps: u64,
+    /// On a GPU stage with offloaded experts and `StageConfig::local_experts`
+    /// on: which steps compute their routed experts here.
+    local: Option<local_experts::LocalRule>,
 }
 
 impl Stage {
@@ -201,7 +262,39 @@ impl Stage {
             dense: cfg.repack && !cfg.deterministic,
             experts: cfg.repack,
         };
-        let weights = Weights::load(&model, &range, &offloaded, repack, device, progress)?;
+        // A GPU stage that may compute its offloaded experts itself keeps
+        // them mapped in host memory (streamed to the device when used).
+        let local_setting = match cfg.local_experts {
+            LocalExperts::Off => None,
+            s => (device.is_some() && !offloaded.is_empty()).then_some(s),
+        };
+        let weights = Weights::load(
+            &model,
+            &range,
+            &offloaded,
+            local_setting.is_some(),
+            repack,
+            device,
+            progress,
+        )?;
+        let local = match (local_setting, device) {
+            (Some(setting), Some(buft)) => {
+                let layer_bytes = offloaded
+                    .iter()
+                    .map(|&il| {
+                        crate::experts::expert_layer_tensors(&model, il).map(|names| {
+                            names
+                                .iter()
+                                .filter_map(|n| model.gguf.tensor(&format!("blk.{il}.{n}")))
+                                .map(|t| t.size)
+                                .sum::<u64>()
+                        })
+                    })
+                    .try_fold(0u64, |m, b| b.map(|b| m.max(b)))?;
+                Some(local_experts::LocalRule::new(setting, buft, layer_bytes)?)
+            }
+            _ => None,
+        };
         let kv = KvCache::new(hp, range.layers.clone(), cfg.kv, exec.buffer_type())?;
         let n_expert = hp.moe.as_ref().map_or(0, |m| m.n_expert as usize);
         let expert_counts = offloaded
@@ -225,6 +318,7 @@ impl Stage {
             arena: GraphArena::default(),
             side_arena: GraphArena::default(),
             overlapped_steps: 0,
+            local,
         };
         stage.reserve()?;
         Ok(stage)

@@ -126,11 +126,16 @@ impl Stage {
         mut experts: Option<&mut dyn ExpertExec>,
     ) -> Result<StageOutput, EngineError> {
         self.exec.set_batch_invariant(batch.invariant);
-        let split = (self.cfg.expert_overlap && experts.is_some() && !self.offloaded.is_empty())
-            .then(|| group_split(&batch.seq))
-            .flatten();
+        let here = self.experts_here(batch.len());
+        let split =
+            (self.cfg.expert_overlap && experts.is_some() && !self.offloaded.is_empty() && !here)
+                .then(|| group_split(&batch.seq))
+                .flatten();
         let Some(m) = split else {
-            let mut r = self.begin(batch, input, kv_idx);
+            if let (true, Some(rule)) = (here, self.local.as_mut()) {
+                rule.steps += 1;
+            }
+            let mut r = self.begin(batch, input, kv_idx, here);
             let out = loop {
                 match self.advance(&mut r, experts.as_deref_mut()) {
                     Ok(Progress::Done(o)) => break Ok(o),
@@ -149,8 +154,8 @@ impl Stage {
         let e = self.model.hparams.n_embd as usize;
         let inputs = input.map(|h| (h.rows(0..m, e), h.rows(m..h.n_tokens, e)));
         let mut runs = [
-            self.begin(&a, inputs.as_ref().map(|i| &i.0), &kv_idx[..m]),
-            self.begin(&b, inputs.as_ref().map(|i| &i.1), &kv_idx[m..]),
+            self.begin(&a, inputs.as_ref().map(|i| &i.0), &kv_idx[..m], false),
+            self.begin(&b, inputs.as_ref().map(|i| &i.1), &kv_idx[m..], false),
         ];
         let result = self.interleave(&mut runs, experts);
         let [ra, rb] = runs;
@@ -219,12 +224,14 @@ impl Stage {
 
     /// A group's step, ready for its first segment: which rows it outputs
     /// and its attention masks (the stage's reused scratch for the first
-    /// group; [`Stage::end`] gives it back).
+    /// group; [`Stage::end`] gives it back). With `experts_here` the step
+    /// computes its routed experts itself, as one graph.
     fn begin<'b>(
         &mut self,
         batch: &'b Batch,
         input: Option<&'b Hidden>,
         kv_idx: &'b [i64],
+        experts_here: bool,
     ) -> GroupRun<'b> {
         let hp = &self.model.hparams;
         let n = batch.len();
@@ -277,7 +284,7 @@ impl Stage {
             mask_swa,
             order,
             // Without offloaded layers: one segment, the whole range's graph.
-            segments: self.segments(n).into_iter(),
+            segments: self.segments(n, experts_here).into_iter(),
             carry: None,
         }
     }
@@ -470,8 +477,9 @@ impl Stage {
                 ))
             })?;
             let n_sent = batch.n_tokens;
+            let submitted = std::time::Instant::now();
             exec.submit(batch)?;
-            remote = Some(n_sent);
+            remote = Some((n_sent, submitted));
         }
         // Overlaps with the executor's work; `finish` waits even if this
         // failed, so that the executor is left with nothing pending.
@@ -509,7 +517,13 @@ impl Stage {
             side,
         } = p;
         let routed = match (remote, experts) {
-            (Some(n_sent), Some(x)) => Some((x.wait(), n_sent)),
+            (Some((n_sent, submitted)), Some(x)) => {
+                let got = x.wait();
+                if let Some(rule) = self.local.as_mut() {
+                    rule.note_call(n_sent, submitted.elapsed().as_secs_f64());
+                }
+                Some((got, n_sent))
+            }
             _ => None,
         };
         let shared = side.transpose().map_err(EngineError::Ggml)?;
@@ -576,8 +590,8 @@ struct PendingCut {
     ffn_inp: Vec<f32>,
     /// The tokens sent (all when `None`).
     rows: Option<Vec<usize>>,
-    /// Tokens with the executor, if any were sent.
-    remote: Option<usize>,
+    /// Tokens with the executor, if any were sent, and when.
+    remote: Option<(usize, std::time::Instant)>,
     /// The side graph's result (shared and device-kept experts).
     side: Option<Result<Vec<f32>, String>>,
 }

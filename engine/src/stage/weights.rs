@@ -76,11 +76,14 @@ impl Weights {
         self.get(&format!("blk.{il}.{name}"))
     }
 
-    /// The weights of `range`, less the routed experts of the `offloaded` layers.
+    /// The weights of `range`, less the routed experts of the `offloaded`
+    /// layers, or with `host_experts` those kept mapped in host memory
+    /// (never copied to a device or repacked).
     pub(super) fn load(
         model: &ModelFile,
         range: &LayerRange,
         offloaded: &[u32],
+        host_experts: bool,
         repack: Repack,
         device: Option<BufferType>,
         progress: &mut dyn FnMut(usize, usize),
@@ -90,13 +93,18 @@ impl Weights {
         // Names this range uses, and the op each feeds (only matmul weights
         // may be repacked: the repacked layout cannot get_rows).
         let mut wanted: Vec<(String, WeightOp)> = Vec::new();
+        let mut host_only = Vec::new();
         for il in range.layers.clone() {
             let elsewhere = offloaded.contains(&il);
             for s in &hp.arch.layer_tensors(hp, il) {
+                let name = format!("blk.{il}.{}", s.name);
                 if elsewhere && s.op == WeightOp::MulMatId {
+                    if host_experts && g.tensor(&name).is_some() {
+                        host_only.push(name.clone());
+                        wanted.push((name, s.op));
+                    }
                     continue;
                 }
-                let name = format!("blk.{il}.{}", s.name);
                 if g.tensor(&name).is_some() {
                     wanted.push((name, s.op));
                 }
@@ -115,17 +123,19 @@ impl Weights {
                 wanted.push(("output.weight".into(), WeightOp::MulMat));
             }
         }
-        Self::load_named(model, &wanted, repack, device, progress)
+        Self::load_named(model, &wanted, &host_only, repack, device, progress)
     }
 
     /// Maps the named tensors of `model` (each with the op that reads it),
     /// copying into the CPU's repacked layout those that llama.cpp's loader
     /// would repack, or with a `device` (a GPU's buffer type) uploading all
-    /// but the token embedding there. `output.weight` in a file without
-    /// one is the token embedding (a tied head's copy).
+    /// but the token embedding and the `host_only` names there.
+    /// `output.weight` in a file without one is the token embedding (a tied
+    /// head's copy).
     pub(crate) fn load_named(
         model: &ModelFile,
         wanted: &[(String, WeightOp)],
+        host_only: &[String],
         repack: Repack,
         device: Option<BufferType>,
         progress: &mut dyn FnMut(usize, usize),
@@ -166,6 +176,7 @@ impl Weights {
                 WeightOp::Other => ggml::WeightRead::Other,
             };
             let use_repack = match device {
+                Some(_) if host_only.contains(name) => false,
                 Some(d) => {
                     let fits = name != "token_embd.weight"
                         && ggml::buft_supports(d, mapped.get(idx), read);

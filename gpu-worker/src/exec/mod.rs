@@ -43,6 +43,9 @@ pub struct ExecStats {
     /// Steps run as two micro-batch groups beside the expert workers
     /// (`--expert-overlap`).
     pub overlapped_steps: AtomicU64,
+    /// Steps that computed their routed experts on this GPU, streaming
+    /// them from host memory (`--stream-experts`).
+    pub streamed_expert_steps: AtomicU64,
     /// Offloaded layers' routing statistics and device experts, as of the
     /// last refresh (every `ExpertPolicy::every` steps).
     pub experts: Mutex<Vec<ExpertUse>>,
@@ -673,12 +676,15 @@ impl StageRun {
                     stage.offloaded_layers()
                 )
             })?;
-            let before = stage.overlapped_steps();
+            let before = (stage.overlapped_steps(), stage.local_expert_steps());
             let r = stage.forward_with(&batch, input.as_ref(), experts);
             waited = experts.take_waited();
             self.stats
                 .overlapped_steps
-                .fetch_add(stage.overlapped_steps() - before, Ordering::Relaxed);
+                .fetch_add(stage.overlapped_steps() - before.0, Ordering::Relaxed);
+            self.stats
+                .streamed_expert_steps
+                .fetch_add(stage.local_expert_steps() - before.1, Ordering::Relaxed);
             r
         }
         .map_err(|e| e.to_string())?;

@@ -682,3 +682,76 @@ fn the_plan_says_how_a_steps_work_divides() {
     let one = plan(&m, &workers(&[8 * GIB]), &cfg(None)).unwrap();
     assert!(!one.notes.iter().any(|n| n.starts_with("work: ")));
 }
+
+/// A GPU stage left with offloaded layers keeps room in its compute buffer
+/// for the largest of their routed experts, streamed there for prompt
+/// steps (`--stream-experts`), when its budget has it; a CPU stage never
+/// does, and a GPU stage without room says so.
+#[test]
+fn gpu_stages_keep_room_to_stream_one_layers_experts_where_it_fits() {
+    let m = synth("tiny-deepseek2-mla-f32.gguf");
+    let c = moe_cfg(ExpertPolicy::Cpu);
+    let cs = expert_workers(&[GIB]);
+    let largest = m
+        .expert_layers()
+        .iter()
+        .map(|&il| m.expert_weight_bytes(il))
+        .max()
+        .unwrap();
+    let gpus = specs("g", |i| format!("cuda:{i}"), &[GIB, GIB]);
+    let p = plan_with_experts(&m, &gpus, &cs, &c).unwrap();
+    let cpu = plan_with_experts(&m, &workers(&[GIB, GIB]), &cs, &c).unwrap();
+    for (s, on_cpu) in p.stages.iter().zip(&cpu.stages) {
+        assert_eq!(on_cpu.stream_bytes, 0, "{cpu}");
+        if s.offloaded.is_empty() {
+            assert_eq!(s.stream_bytes, 0, "{p}");
+            continue;
+        }
+        let want = s
+            .offloaded
+            .iter()
+            .map(|&il| m.expert_weight_bytes(il))
+            .max()
+            .unwrap();
+        assert!(want <= largest);
+        assert_eq!(s.stream_bytes, want, "{p}");
+        // Counted in the compute buffer: the CPU plan's stage plus the room.
+        assert_eq!(
+            s.bytes.compute,
+            on_cpu.bytes.compute + want + gpu_copies(&m, s, &c)
+        );
+        assert_eq!(
+            s.bytes.total,
+            s.bytes.weights + s.bytes.kv + s.bytes.compute
+        );
+    }
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.contains("prompt steps stream them to cuda:")),
+        "{p}"
+    );
+
+    // A GPU with just enough for its stage without the room: no streaming.
+    let tight: Vec<u64> = p
+        .stages
+        .iter()
+        .map(|s| {
+            let need = s.bytes.total - s.stream_bytes;
+            (need as f64 / (1.0 - c.headroom)).ceil() as u64 + 1
+        })
+        .collect();
+    let p = plan_with_experts(&m, &specs("g", |i| format!("cuda:{i}"), &tight), &cs, &c).unwrap();
+    assert!(p.stages.iter().all(|s| s.stream_bytes == 0), "{p}");
+    assert!(
+        p.notes.iter().any(|n| n.contains("no room on cuda:")),
+        "{p}"
+    );
+}
+
+/// What a GPU stage's compute estimate holds beyond the CPU's (the copies
+/// ggml's scheduler keeps in both memories).
+fn gpu_copies(m: &ModelFile, s: &omni_planner::StagePlan, c: &PlanConfig) -> u64 {
+    compute_estimate(&m.hparams, &s.range, c, true)
+        - compute_estimate(&m.hparams, &s.range, c, false)
+}
