@@ -73,6 +73,19 @@ impl PromptCuts {
         take
     }
 
+    /// How many of a prompt's last tokens a prefix-cache hit leaves to
+    /// compute: with llama-server's cuts the last piece (its 4 tokens), so
+    /// that a prompt asked again is computed in the same last step as the
+    /// first time and gets the same answer (a hit up to the last token
+    /// would compute that token alone, rounded by another kernel than in
+    /// its 4-token step); otherwise the last token.
+    pub fn cache_tail(self) -> usize {
+        match self {
+            PromptCuts::Ubatch => 1,
+            PromptCuts::LlamaServer => CHECKPOINT_TAIL,
+        }
+    }
+
     /// The steps a prompt of `n` tokens is prefilled in, alone, as lengths.
     pub fn pieces(self, n: usize, n_ubatch: usize) -> Vec<usize> {
         let mut out = Vec::new();

@@ -458,6 +458,15 @@ pub async fn collect(
     c: &mut InferenceClient<tonic::transport::Channel>,
     req: GenerateRequest,
 ) -> Result<Vec<GenerateEvent>, tonic::Status> {
+    collect_within(c, req, 300).await
+}
+
+/// [`collect`] with a deadline of `secs` seconds.
+pub async fn collect_within(
+    c: &mut InferenceClient<tonic::transport::Channel>,
+    req: GenerateRequest,
+    secs: u64,
+) -> Result<Vec<GenerateEvent>, tonic::Status> {
     let run = async {
         let mut stream = c.generate(req).await?.into_inner();
         let mut out = Vec::new();
@@ -466,9 +475,11 @@ pub async fn collect(
         }
         Ok(out)
     };
-    tokio::time::timeout(Duration::from_secs(300), run)
+    tokio::time::timeout(Duration::from_secs(secs), run)
         .await
-        .map_err(|_| tonic::Status::deadline_exceeded("no end of stream within 300 s"))?
+        .map_err(|_| {
+            tonic::Status::deadline_exceeded(format!("no end of stream within {secs} s"))
+        })?
 }
 
 /// The generated ids of a finished stream.

@@ -115,6 +115,12 @@ fn up_env(path: &Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
         VISIBLE,
         ("OMNI_ADMIN_TOKEN", TOKEN),
         ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
+        // lavapipe compiles each of ggml's pipelines the first time a step
+        // uses it (Mesa 25: minutes for some, with a cold shader cache), so
+        // a step may take longer than the coordinator's default 120 s
+        // before it calls the stage lost; a dead stage is still noticed by
+        // its health checks.
+        ("OMNI_COORDINATOR_STEP_TIMEOUT", "900"),
     ];
     vars.extend(env);
     Supervised::start(path, &args, &vars)
@@ -589,7 +595,9 @@ async fn collect(
         .await
         .unwrap();
     let mut client = omni_proto::coordinator::v1::inference_client::InferenceClient::new(ch);
-    omni_tests::collect(&mut client, req)
+    // lavapipe compiles a pipeline the first time a step uses it: with a
+    // cold shader cache a first step can take minutes (see `up_env`).
+    omni_tests::collect_within(&mut client, req, 1200)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", c.proc.log_text()))
 }

@@ -276,15 +276,15 @@ impl PrefixCache {
     }
 
     /// The longest cached prefix of `prompt`, leaving at least its last
-    /// token to compute: whole blocks, then the first tokens of a child
-    /// (in the tree of `invariant` sequences, or the other). Each block
-    /// found is referenced until [`Self::release`].
-    pub fn lookup(&mut self, prompt: &[u32], invariant: bool) -> Hit {
+    /// `tail` tokens (at least 1) to compute: whole blocks, then the first
+    /// tokens of a child (in the tree of `invariant` sequences, or the
+    /// other). Each block found is referenced until [`Self::release`].
+    pub fn lookup(&mut self, prompt: &[u32], invariant: bool, tail: usize) -> Hit {
         let mut hit = Hit {
             chain: Chain::new(invariant),
             cells: Vec::new(),
         };
-        let limit = prompt.len().saturating_sub(1);
+        let limit = prompt.len().saturating_sub(tail.max(1));
         let mut parent = hit.chain.last();
         for i in 0..limit / BLOCK {
             let tokens: [u32; BLOCK] = prompt[i * BLOCK..(i + 1) * BLOCK].try_into().unwrap();
@@ -540,22 +540,25 @@ mod tests {
         // A prompt that goes on: 3 blocks and the tail.
         let mut longer = p.clone();
         longer.extend([1, 2, 3]);
-        let hit = pc.lookup(&longer, false);
+        let hit = pc.lookup(&longer, false, 1);
         assert_eq!(hit.cells, cells(0, 50));
         assert!(hit.chain.partial.is_some());
         // Exactly 48 tokens: the last one is computed, the rest comes from
         // the third block's first 15.
-        assert_eq!(pc.lookup(&p[..48], false).cells, cells(0, 47));
+        assert_eq!(pc.lookup(&p[..48], false, 1).cells, cells(0, 47));
         // 49 tokens: 3 blocks, token 48 computed.
-        let hit3 = pc.lookup(&p[..49], false);
+        let hit3 = pc.lookup(&p[..49], false, 1);
         assert_eq!(hit3.cells, cells(0, 48));
         assert!(hit3.chain.partial.is_none());
         // Another first token misses.
-        assert!(pc.lookup(&toks(40, 2), false).cells.is_empty());
+        assert!(pc.lookup(&toks(40, 2), false, 1).cells.is_empty());
         // A different token 20: the first block, and 4 of the second.
         let mut other = p.clone();
         other[20] = 9999;
-        assert_eq!(pc.lookup(&other, false).cells, cells(0, 20));
+        assert_eq!(pc.lookup(&other, false, 1).cells, cells(0, 20));
+        // The same prompt again, cut as llama-server cuts a sliding-window
+        // model's (its last 4 tokens one step): they are computed again.
+        assert_eq!(pc.lookup(&p, false, 4).cells, cells(0, 46));
     }
 
     #[test]
@@ -575,7 +578,7 @@ mod tests {
         assert_eq!(pc.retained_cells(), 64);
         pc.take_pending();
         // A hit on a's first block makes it newer than b's blocks.
-        let hit = pc.lookup(&a[..17], false);
+        let hit = pc.lookup(&a[..17], false, 1);
         assert_eq!(hit.cells, cells(0, 16));
         // Referenced blocks never go; a's second block is a leaf and the
         // oldest unreferenced: it goes first, then b's leaf, then b's root.
@@ -620,7 +623,7 @@ mod tests {
             pc.register(&mut c, &toks(32, salt), &cells(32 * salt as i64, 32));
             chains.push(c);
         }
-        let held = pc.lookup(&toks(33, 0), false);
+        let held = pc.lookup(&toks(33, 0), false, 1);
         for c in chains {
             pc.release(c, None);
         }
@@ -657,7 +660,7 @@ mod tests {
         // the second, which q's own second block holds too.
         let mut q = p[..20].to_vec();
         q.extend(toks(12, 900));
-        let hit = pc.lookup(&q, false);
+        let hit = pc.lookup(&q, false, 1);
         assert_eq!(hit.cells, cells(0, 20));
         let mut chain = hit.chain;
         let mut q_cells = hit.cells;
@@ -694,10 +697,10 @@ mod tests {
         let mut chain = Chain::new(true);
         pc.register(&mut chain, &p, &cells(0, 40));
         pc.release(chain, Some((&p, &cells(0, 40))));
-        assert!(pc.lookup(&p, false).cells.is_empty());
-        assert_eq!(pc.lookup(&p, true).cells, cells(0, 39));
+        assert!(pc.lookup(&p, false, 1).cells.is_empty());
+        assert_eq!(pc.lookup(&p, true, 1).cells, cells(0, 39));
         run(&mut pc, &p, &cells(100, 40));
-        assert_eq!(pc.lookup(&p, false).cells, cells(100, 39));
+        assert_eq!(pc.lookup(&p, false, 1).cells, cells(100, 39));
         assert_eq!(pc.blocks(), 6);
     }
 

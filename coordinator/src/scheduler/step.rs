@@ -38,7 +38,15 @@ impl Scheduler {
             let stops = StopMatcher::new(new.stop.clone());
             let hit = match self.prefix.as_mut() {
                 Some(pc) if new.cache_prompt => {
-                    let hit = pc.lookup(&new.prompt, new.deterministic);
+                    // A batch-invariant step computes a row the same in
+                    // any step; otherwise the prompt's last step is
+                    // computed as it was the first time.
+                    let tail = if new.deterministic {
+                        1
+                    } else {
+                        self.cfg.prompt_cuts.cache_tail()
+                    };
+                    let hit = pc.lookup(&new.prompt, new.deterministic, tail);
                     let m = &self.metrics.prefix;
                     m.lookups.inc();
                     m.hit_tokens.inc_by(hit.cells.len() as u64);
