@@ -63,6 +63,7 @@ fn vulkan() {
 /// what a device run is held to.
 fn cpu_reference(path: &Path, prompt: &[u32], n_gen: usize) -> Vec<(u32, Vec<f32>)> {
     let mut e = omni_tests::cpu_engine(path);
+    e.prompt_cuts = omni_engine::PromptCuts::Ubatch;
     let mut out = Vec::with_capacity(n_gen);
     let mut logits = e.prefill(0, prompt, 0).unwrap();
     for i in 0..n_gen {
@@ -121,6 +122,10 @@ fn up_env(path: &Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
         // before it calls the stage lost; a dead stage is still noticed by
         // its health checks.
         ("OMNI_COORDINATOR_STEP_TIMEOUT", "900"),
+        // Prompts whole (llama_decode's cuts, as `cpu_reference`): Mesa 25's
+        // lavapipe took over 10 minutes to compile the pipelines of Gemma's
+        // 2-token first step under llama-server's cuts, cold.
+        ("OMNI_COORDINATOR_PROMPT_CUTS", "ubatch"),
     ];
     vars.extend(env);
     Supervised::start(path, &args, &vars)
