@@ -304,9 +304,12 @@ fn dense_models_on_vulkan_give_the_cpu_and_llama_cpp_answers() {
 }
 
 // On Debian 12's Mesa 22.3 lavapipe this died of SIGSEGV three runs of
-// three; on Mesa 25 (scripts/deps takes it from bookworm-backports) it
-// passes, at rest and with both cores loaded (docs/vulkan.md).
+// three; on Mesa 25 (`OMNI_DEPS_MESA=backports scripts/deps`) it passes, at
+// rest and with both cores loaded, but Mesa 25's first compiles are too slow
+// for CI's budget (docs/vulkan.md). `cargo test --release --test vulkan --
+// --ignored` runs it.
 #[test]
+#[ignore = "Mesa 22.3's lavapipe crashes in it; it passes on Mesa 25 (OMNI_DEPS_MESA=backports), whose cold compiles CI cannot afford yet (docs/vulkan.md)"]
 fn moe_models_on_vulkan_with_experts_on_the_cpu_give_the_cpu_and_llama_cpp_answers() {
     let _serial = serial();
     gpu_check(
