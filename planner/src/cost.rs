@@ -335,6 +335,12 @@ impl<'a> Costs<'a> {
         self.expert[il as usize] - self.kept[il as usize]
     }
 
+    /// What streaming the `offloaded` layers' routed experts to a GPU for a
+    /// prompt step needs there: the largest layer's (`None` with none).
+    pub(crate) fn stream_need(&self, offloaded: &[u32]) -> Option<u64> {
+        offloaded.iter().map(|&il| self.expert[il as usize]).max()
+    }
+
     /// The MoE layers of `range`, when ranges are sized with their experts offloaded.
     pub(crate) fn offloaded_in(&self, range: &LayerRange) -> Vec<u32> {
         if !self.offload_all {

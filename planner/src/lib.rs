@@ -380,20 +380,11 @@ fn plan_streaming(
         if !is_gpu(&s.device) {
             continue;
         }
-        let Some(need) = s
-            .offloaded
-            .iter()
-            .map(|&il| costs.expert[il as usize])
-            .max()
-        else {
+        let Some(need) = costs.stream_need(&s.offloaded) else {
             continue;
         };
         let pool = pools.of_stage(i);
-        let mut room = s.bytes.budget.saturating_sub(s.bytes.total);
-        if let Some(p) = pool {
-            room = room.min(pools.shared[p].budget.saturating_sub(shared_used[p]));
-        }
-        if need > room {
+        if need > stage_room(s, pool, pools, shared_used) {
             continue;
         }
         s.stream_bytes = need;
@@ -402,6 +393,16 @@ fn plan_streaming(
         if let Some(p) = pool {
             shared_used[p] += need;
         }
+    }
+}
+
+/// What stage `s` can still take: its own budget less its bytes, and no
+/// more than is left of the memory it shares (`pool`), `used` so far.
+fn stage_room(s: &StagePlan, pool: Option<usize>, pools: &Pools, used: &[u64]) -> u64 {
+    let own = s.bytes.budget.saturating_sub(s.bytes.total);
+    match pool {
+        Some(p) => own.min(pools.shared[p].budget.saturating_sub(used[p])),
+        None => own,
     }
 }
 
@@ -417,13 +418,7 @@ fn put_back(
     let mut overflow: Vec<Option<Overflow>> = vec![None; stages.len()];
     for (i, (s, o)) in stages.iter_mut().zip(&mut overflow).enumerate() {
         let pool = pools.of_stage(i);
-        let room = |s: &StagePlan, used: &[u64]| {
-            let own = s.bytes.budget.saturating_sub(s.bytes.total);
-            match pool {
-                Some(p) => own.min(pools.shared[p].budget.saturating_sub(used[p])),
-                None => own,
-            }
-        };
+        let room = |s: &StagePlan, used: &[u64]| stage_room(s, pool, pools, used);
         let mut back = 0;
         for &il in &s.offloaded {
             if costs.saved(il) > room(s, shared_used) {

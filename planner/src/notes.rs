@@ -389,13 +389,7 @@ fn stage_expert_note(
             n.push_str(&format!(
                 "; no room on {} to stream a layer's experts ({}) for prompt steps",
                 s.device,
-                fmt_bytes(
-                    s.offloaded
-                        .iter()
-                        .map(|&il| costs.expert[il as usize])
-                        .max()
-                        .unwrap_or(0)
-                )
+                fmt_bytes(costs.stream_need(&s.offloaded).unwrap_or(0))
             ));
         }
     }

@@ -59,18 +59,14 @@ impl LocalRule {
         })
     }
 
-    /// Whether a step of `n` tokens computes its routed experts here.
+    /// Whether a step of `n` tokens computes its routed experts here: as
+    /// set, and for `Auto` once the executor is timed and slower for `n`.
     pub(super) fn here(&self, n: usize) -> bool {
-        if n < self.min_batch {
-            return false;
-        }
-        match self.setting {
-            LocalExperts::Off => false,
-            LocalExperts::From(k) => n >= k,
-            LocalExperts::Auto => self
-                .per_token_s
-                .is_some_and(|t| n as f64 * t > self.stream_s),
-        }
+        self.may(n)
+            && (self.setting != LocalExperts::Auto
+                || self
+                    .per_token_s
+                    .is_some_and(|t| n as f64 * t > self.stream_s))
     }
 
     /// Whether a step of `n` tokens may ever compute here (what the

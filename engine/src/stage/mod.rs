@@ -281,16 +281,9 @@ impl Stage {
             (Some(setting), Some(buft)) => {
                 let layer_bytes = offloaded
                     .iter()
-                    .map(|&il| {
-                        crate::experts::expert_layer_tensors(&model, il).map(|names| {
-                            names
-                                .iter()
-                                .filter_map(|n| model.gguf.tensor(&format!("blk.{il}.{n}")))
-                                .map(|t| t.size)
-                                .sum::<u64>()
-                        })
-                    })
-                    .try_fold(0u64, |m, b| b.map(|b| m.max(b)))?;
+                    .map(|&il| model.expert_weight_bytes(il))
+                    .max()
+                    .unwrap_or(0);
                 Some(local_experts::LocalRule::new(setting, buft, layer_bytes)?)
             }
             _ => None,
