@@ -103,6 +103,11 @@ impl Engine {
         &self.stages
     }
 
+    /// Starts every stage's [`Stage::step_times`] afresh.
+    pub fn reset_step_times(&mut self) {
+        self.stages.iter_mut().for_each(Stage::reset_step_times);
+    }
+
     pub fn n_ubatch(&self) -> usize {
         self.stages[0].config().n_ubatch
     }

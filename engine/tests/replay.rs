@@ -4,6 +4,8 @@
 //! the other sequence that shared the cache then is gone and the prompt is
 //! long enough for the tiled attention path (its tiles see the same cells).
 //! And the cells a caller names are checked before anything is written.
+//! Also: a decode step that computes the last step's graph again (graph
+//! reuse) gives the logits a freshly built graph gives, bit for bit.
 
 mod common;
 
@@ -98,4 +100,48 @@ fn named_cells_are_checked_before_anything_is_written() {
     assert_eq!(s.kv().used(), used, "nothing was written");
     s.forward(&batch(1, &[8, 9], 0, &[100, 101]), None).unwrap();
     assert_eq!(s.last_cells(), &[100, 101]);
+}
+
+#[test]
+fn a_reused_step_graph_gives_the_logits_of_a_fresh_one_bit_for_bit() {
+    let prompt: Vec<u32> = (0..40).map(|i| 200 + (i * 37) % 5000).collect();
+    let run = |reuse: bool| {
+        let mut s = gemma_stage(3, 1);
+        s.set_graph_reuse(reuse);
+        let mut out = vec![
+            logits_of(s.forward(&batch(0, &prompt, 0, &[]), None).unwrap()),
+            logits_of(s.forward(&batch(1, &prompt[..12], 0, &[]), None).unwrap()),
+        ];
+        let mut t = 7u32;
+        for k in 0..20 {
+            // Two sequences' decode steps in turn, and a third's prompt in
+            // the middle: steps of other shapes between steps of one.
+            let seq = (k % 2) as u32;
+            if k == 10 {
+                out.push(logits_of(
+                    s.forward(&batch(2, &prompt[..9], 0, &[]), None).unwrap(),
+                ));
+            }
+            let pos = if seq == 0 { 40 + k / 2 } else { 12 + k / 2 };
+            out.push(logits_of(
+                s.forward(&batch(seq, &[t], pos, &[]), None).unwrap(),
+            ));
+            t = (t * 31 + 11) % 5000;
+        }
+        (out, s.step_times().clone())
+    };
+    let (fresh, fresh_times) = run(false);
+    let (reused, times) = run(true);
+    assert_eq!(fresh_times.reused, 0);
+    assert!(
+        times.reused >= 15,
+        "decode steps of one shape should compute the last graph again: {times:?}"
+    );
+    assert_eq!(fresh.len(), reused.len());
+    for (i, (a, b)) in fresh.iter().zip(&reused).enumerate() {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "step {i}: a reused graph's logits differ from a fresh one's"
+        );
+    }
 }

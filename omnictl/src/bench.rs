@@ -127,7 +127,11 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     }
     if a.tg > 0 {
         let mut times = Vec::new();
+        let mut decode_time = 0.0;
         for r in 0..=a.runs {
+            if r == 1 {
+                engine.reset_step_times();
+            }
             let t = Instant::now();
             for p in 0..a.tg {
                 let mut b = Batch::default();
@@ -138,7 +142,22 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             engine.remove_seq(0);
             if r > 0 {
                 times.push(a.tg as f64 / dt);
+                decode_time += dt;
             }
+        }
+        // Where a decoded token's time went: the host's phases around the
+        // device's work (on a GPU a small model's decode is bound by them).
+        let tokens = (a.tg * a.runs).max(1) as f64;
+        eprintln!(
+            "decode, per token: {:.0} µs in all",
+            decode_time * 1e6 / tokens
+        );
+        for (i, s) in engine.stages().iter().enumerate() {
+            eprintln!(
+                "  stage {i} on {}: {}",
+                s.device(),
+                s.step_times().per_segment()
+            );
         }
         rows.push(Row {
             test: format!("tg{}", a.tg),

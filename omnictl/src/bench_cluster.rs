@@ -105,6 +105,8 @@ pub fn run(a: BenchClusterArgs) -> anyhow::Result<()> {
             experts: (cpu_workers > 0).then(|| "cpu".into()),
             admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
             device: vec![a.device],
+            // Unless -t was given: a GPU worker's own default (`omnictl up`'s).
+            threads: a.threads,
             ..UpArgs::bench(&a.model, stages, transport, &listen, threads)
         };
         let mut cluster = LocalCluster::start(&up, &path, threads, true)?;

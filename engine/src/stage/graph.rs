@@ -64,13 +64,20 @@ impl Stage {
                 in_order,
             };
             for seg in &segments {
-                let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-                let (graph, _) = parts.build_segment(&ctx, n, kv.n_cells(), n, seg);
-                self.exec.reserve(&graph).map_err(oom)?;
-                if let Some(r) = seg.resume.filter(|r| r.side && in_order.is_none()) {
+                // Each graph built twice: ggml's scheduler splits a graph once
+                // (see `Executor::reserve`).
+                for pass in [Pass::Reserve, Pass::Fallbacks] {
+                    if pass == Pass::Fallbacks && !self.exec.on_gpu() {
+                        continue;
+                    }
                     let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-                    let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
-                    self.exec.reserve(&graph).map_err(oom)?;
+                    let (graph, _) = parts.build_segment(&ctx, n, kv.n_cells(), n, seg);
+                    pass.run(&mut self.exec, &graph).map_err(oom)?;
+                    if let Some(r) = seg.resume.filter(|r| r.side && in_order.is_none()) {
+                        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+                        let (graph, _) = parts.build_side(&ctx, r.layer, n, n_used);
+                        pass.run(&mut self.exec, &graph).map_err(oom)?;
+                    }
                 }
             }
         }
@@ -114,6 +121,24 @@ impl Stage {
             cut: None,
         });
         out
+    }
+}
+
+/// What [`Stage::reserve`] does with a graph it built.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Size the compute buffers for it.
+    Reserve,
+    /// Note the ops of it the GPU leaves to the CPU.
+    Fallbacks,
+}
+
+impl Pass {
+    fn run(self, exec: &mut ggml::Executor, graph: &ggml::Graph<'_>) -> Result<(), String> {
+        match self {
+            Pass::Reserve => exec.reserve(graph),
+            Pass::Fallbacks => exec.note_fallbacks(graph),
+        }
     }
 }
 

@@ -172,9 +172,59 @@ pub struct Stage {
     side_arena: GraphArena,
     /// Steps run as two interleaved groups (`StageConfig::expert_overlap`).
     overlapped_steps: u64,
+    /// Where the host's time of each step's segments went.
+    times: StepTimes,
+    /// A step of the last step's shape computes the last step's graph
+    /// again (`arena`'s kept graph); `OMNI_GRAPH_REUSE_DISABLE` set (to
+    /// anything) builds every step's graph afresh, as llama.cpp's
+    /// `LLAMA_GRAPH_REUSE_DISABLE` does.
+    reuse_graphs: bool,
     /// On a GPU stage with offloaded experts and `StageConfig::local_experts`
     /// on: which steps compute their routed experts here.
     local: Option<local_experts::LocalRule>,
+}
+
+/// The wall time of a stage's segments by phase, summed over its steps:
+/// what the host does around the device's work (on a GPU, decoding a small
+/// model is bound by it). Each phase is timed with `Instant`, which costs
+/// tens of nanoseconds: always on.
+#[derive(Clone, Debug, Default)]
+pub struct StepTimes {
+    /// Segments run (one per step without offloaded experts).
+    pub segments: u64,
+    /// Of those, steps that computed the last step's graph again (no
+    /// build, no allocation; see [`Stage::set_graph_reuse`]).
+    pub reused: u64,
+    /// Building the graph: ggml's tensor headers and nodes.
+    pub build: std::time::Duration,
+    /// ggml's scheduler splitting the graph between backends and placing
+    /// its tensors in the compute buffer.
+    pub alloc: std::time::Duration,
+    /// Writing the inputs (ids, positions, masks) into their tensors.
+    pub inputs: std::time::Duration,
+    /// The graph's computation, until its results are there (on a GPU:
+    /// the launch or CUDA graph replay and the device's work).
+    pub compute: std::time::Duration,
+    /// Reading the output (logits or hidden state) back to the host.
+    pub output: std::time::Duration,
+}
+
+impl StepTimes {
+    /// Each phase's mean per segment, in microseconds, as one line.
+    pub fn per_segment(&self) -> String {
+        let n = self.segments.max(1) as f64;
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / n;
+        format!(
+            "build {:.0} µs, alloc {:.0} µs, inputs {:.0} µs, compute {:.0} µs, output {:.0} µs (mean of {} segments, {} of them the last step's graph again)",
+            us(self.build),
+            us(self.alloc),
+            us(self.inputs),
+            us(self.compute),
+            us(self.output),
+            self.segments,
+            self.reused
+        )
+    }
 }
 
 impl Stage {
@@ -311,6 +361,8 @@ impl Stage {
             arena: GraphArena::default(),
             side_arena: GraphArena::default(),
             overlapped_steps: 0,
+            times: StepTimes::default(),
+            reuse_graphs: std::env::var_os("OMNI_GRAPH_REUSE_DISABLE").is_none(),
             local,
         };
         stage.reserve()?;
@@ -326,6 +378,23 @@ impl Stage {
     /// (`StageConfig::expert_overlap`).
     pub fn overlapped_steps(&self) -> u64 {
         self.overlapped_steps
+    }
+
+    /// Where the time of this stage's segments went since load or the last
+    /// [`Stage::reset_step_times`].
+    pub fn step_times(&self) -> &StepTimes {
+        &self.times
+    }
+
+    pub fn reset_step_times(&mut self) {
+        self.times = StepTimes::default();
+    }
+
+    /// Whether a step of the last step's shape computes the last step's
+    /// graph again (the default, unless `OMNI_GRAPH_REUSE_DISABLE` is set
+    /// at load) or builds its graph afresh. Either way the same numbers.
+    pub fn set_graph_reuse(&mut self, on: bool) {
+        self.reuse_graphs = on;
     }
 
     pub fn model(&self) -> &Arc<ModelFile> {

@@ -15,6 +15,7 @@ use crate::experts::ExpertBatch;
 use crate::experts::ExpertExec;
 use crate::ffi::ggml::Tensor;
 use std::sync::Arc;
+use std::time::Instant;
 
 impl Stage {
     /// Runs one step. `input` is the previous stage's hidden state (absent
@@ -316,7 +317,18 @@ impl Stage {
             res.n_tokens = c.n_tokens;
             res.side = c.shared.is_some();
         }
-        let ctx = self.arena.ctx();
+        let t0 = Instant::now();
+        // A step of one segment (no offloaded experts) with the last step's
+        // shape computes the last step's graph again, as llama.cpp does:
+        // what a decode step changes is in its inputs. The shape: tokens,
+        // cells attended, rows out, and a batch-invariant step's order list.
+        let shape = [n, r.n_kv, r.out_rows.len(), r.in_order.map_or(0, |l| l + 1)];
+        let reusable = self.offloaded.is_empty() && seg.cut.is_none() && seg.resume.is_none();
+        let allocs = self.exec.allocs();
+        let reused = reusable && self.reuse_graphs && self.arena.kept(shape, allocs).is_some();
+        if !reused {
+            self.arena.reset();
+        }
         // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
         let parts = GraphParts {
             model: &self.model,
@@ -326,8 +338,19 @@ impl Stage {
             device: &self.device,
             in_order: r.in_order,
         };
-        let (graph, out) = parts.build_segment(&ctx, n, r.n_kv, r.out_rows.len(), &seg);
-        self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
+        let ctx = self.arena.ctx();
+        let (graph, out) = match reused.then(|| self.arena.kept(shape, allocs)).flatten() {
+            Some((graph, out)) => (graph, SegmentOut::Range(out)),
+            None => parts.build_segment(ctx, n, r.n_kv, r.out_rows.len(), &seg),
+        };
+        let t1 = Instant::now();
+        if !reused {
+            self.exec.alloc(&graph).map_err(EngineError::Ggml)?;
+            if let (true, SegmentOut::Range(out)) = (reusable, &out) {
+                self.arena.keep(shape, &graph, *out, self.exec.allocs());
+            }
+        }
+        let t2 = Instant::now();
         let set = |name: &str, f: &dyn Fn(Tensor<'_>)| {
             // Inputs no node reads (a range with no global layer has no use for
             // the global mask) get no memory from the allocator.
@@ -356,11 +379,21 @@ impl Stage {
                 set("inp_shared", &|t| t.write(sh));
             }
         }
+        let t3 = Instant::now();
         self.exec.compute(&graph).map_err(EngineError::Ggml)?;
+        let t4 = Instant::now();
+        let times = &mut self.times;
+        times.segments += 1;
+        times.reused += u64::from(reused);
+        times.build += t1 - t0;
+        times.alloc += t2 - t1;
+        times.inputs += t3 - t2;
+        times.compute += t4 - t3;
         let (cur, ids, weights, ffn_inp) = match out {
             SegmentOut::Range(out) => {
                 let mut data = Vec::new();
-                out.read_f32(&mut data);
+                self.exec.read_f32(out, &mut data);
+                self.times.output += t4.elapsed();
                 let mut rows = std::mem::take(&mut r.out_rows);
                 if r.no_logits {
                     rows.clear();
@@ -395,8 +428,7 @@ impl Stage {
         ffn_inp.read_f32(&mut ffn_inp_vals);
         ids.read_i32(&mut id_vals);
         weights.read_f32(&mut w_vals);
-        // This segment's graph and context are done with.
-        drop(ctx);
+        self.times.output += t4.elapsed();
         let cut = CutOut {
             layer,
             n_tokens: n_cut,
@@ -445,6 +477,7 @@ impl Stage {
         let has_side = hp.arch.has_shared_experts(hp, layer) || dev_width > 0;
         // The side graph takes its input before the routed experts'
         // input moves to the executor.
+        self.side_arena.reset();
         let side_ctx = self.side_arena.ctx();
         let parts = GraphParts {
             model: &self.model,
@@ -455,7 +488,7 @@ impl Stage {
             in_order: None,
         };
         let side_graph = if has_side {
-            let (g, out) = parts.build_side(&side_ctx, layer, n_cut, dev_width);
+            let (g, out) = parts.build_side(side_ctx, layer, n_cut, dev_width);
             self.exec.alloc(&g).map_err(EngineError::Ggml)?;
             let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
             input("inp_moe_cur").write(&x);

@@ -21,6 +21,7 @@ pub use backend::{
 };
 pub use check::{matmul_check, weight_read_rate};
 use llama_cpp_sys_2 as sys;
+use std::cell::Cell;
 use std::ffi::{c_void, CStr, CString};
 use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
@@ -223,9 +224,35 @@ impl Ctx {
 /// A context in fresh heap memory every step puts them elsewhere; built in
 /// the same memory, the same step is the same graph. Written for this,
 /// because the point is the addresses: no allocator crate promises them.
+///
+/// The arena also keeps its last graph for the next step of the same shape
+/// ([`GraphArena::kept`]), as llama.cpp reuses its graph: such a step
+/// skips building the graph and ggml's scheduler splitting and placing it,
+/// and only writes its inputs.
 pub struct GraphArena {
+    /// The context in `mem`, from the last [`GraphArena::reset`] on.
+    ctx: Option<Ctx>,
+    /// The graph last built here, kept for the next step of its shape.
+    kept: Cell<Option<Kept>>,
     mem: Box<[ArenaBlock]>,
 }
+
+/// A graph built in an arena and allocated by an executor: what a step of
+/// the same `shape` computes again.
+#[derive(Clone, Copy)]
+struct Kept {
+    shape: [usize; 4],
+    graph: NonNull<sys::ggml_cgraph>,
+    out: NonNull<sys::ggml_tensor>,
+    /// [`Executor::allocs`] right after its allocation: any later
+    /// allocation of the executor may have put other tensors where its
+    /// tensors were.
+    allocs: u64,
+}
+
+// SAFETY: the kept pointers point into the arena's own memory (the context's
+// objects), used only through `&self` borrows of the arena.
+unsafe impl Send for GraphArena {}
 
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
@@ -235,36 +262,59 @@ impl Default for GraphArena {
     fn default() -> Self {
         let blocks = Ctx::size(GRAPH_NODES, true).div_ceil(std::mem::size_of::<ArenaBlock>());
         GraphArena {
+            ctx: None,
+            kept: Cell::new(None),
             mem: vec![ArenaBlock([0; 64]); blocks].into_boxed_slice(),
         }
     }
 }
 
 impl GraphArena {
-    /// A context of [`GRAPH_NODES`] tensors and a graph, as
-    /// `Ctx::new(GRAPH_NODES, true)`, in this memory (one at a time: the
-    /// borrow ends with the context).
-    pub fn ctx(&mut self) -> ArenaCtx<'_> {
+    /// Starts a new context of [`GRAPH_NODES`] tensors and a graph, as
+    /// `Ctx::new(GRAPH_NODES, true)`, in this memory ([`GraphArena::ctx`]);
+    /// the last one's tensors and the kept graph are gone.
+    pub fn reset(&mut self) {
+        self.kept.set(None);
+        // The old context goes first: the new one takes over its memory.
+        self.ctx = None;
         let size = std::mem::size_of_val(&*self.mem);
-        ArenaCtx {
-            // SAFETY: `size` bytes, 64-aligned, borrowed mutably for as long
-            // as the context lives.
-            ctx: unsafe { Ctx::init(self.mem.as_mut_ptr() as *mut c_void, size) },
-            _mem: PhantomData,
-        }
+        // SAFETY: `size` bytes, 64-aligned, owned by the arena for as long as
+        // the context lives (it drops before `mem`, and before any reset).
+        self.ctx = Some(unsafe { Ctx::init(self.mem.as_mut_ptr() as *mut c_void, size) });
     }
-}
 
-/// A [`Ctx`] in a [`GraphArena`]'s memory.
-pub struct ArenaCtx<'a> {
-    ctx: Ctx,
-    _mem: PhantomData<&'a mut GraphArena>,
-}
+    /// The context of the last [`GraphArena::reset`].
+    pub fn ctx(&self) -> &Ctx {
+        self.ctx.as_ref().expect("GraphArena::reset first")
+    }
 
-impl std::ops::Deref for ArenaCtx<'_> {
-    type Target = Ctx;
-    fn deref(&self) -> &Ctx {
-        &self.ctx
+    /// Keeps `graph` (built in this arena's context and allocated by an
+    /// executor whose [`Executor::allocs`] is now `allocs`), with its output
+    /// `out`, for the next step of the same `shape`.
+    pub fn keep(&self, shape: [usize; 4], graph: &Graph<'_>, out: Tensor<'_>, allocs: u64) {
+        self.kept.set(Some(Kept {
+            shape,
+            graph: graph.raw,
+            out: out.raw,
+            allocs,
+        }));
+    }
+
+    /// The kept graph and its output, when it has `shape` and its executor
+    /// allocated nothing since (its [`Executor::allocs`] is still `allocs`):
+    /// its tensors are where they were, and only its inputs need writing.
+    pub fn kept(&self, shape: [usize; 4], allocs: u64) -> Option<(Graph<'_>, Tensor<'_>)> {
+        let k = self.kept.get()?;
+        (k.shape == shape && k.allocs == allocs && self.ctx.is_some()).then_some((
+            Graph {
+                raw: k.graph,
+                _ctx: PhantomData,
+            },
+            Tensor {
+                raw: k.out,
+                _ctx: PhantomData,
+            },
+        ))
     }
 }
 
@@ -697,6 +747,7 @@ mod tests {
     #[test]
     fn an_arena_builds_the_same_graph_at_the_same_addresses() {
         let build = |arena: &mut GraphArena| -> Vec<usize> {
+            arena.reset();
             let ctx = arena.ctx();
             let mut graph = ctx.new_graph();
             let mut x = ctx.new_tensor(TYPE_F32, &[8]);
