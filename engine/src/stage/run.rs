@@ -323,12 +323,15 @@ impl Stage {
         // what a decode step changes is in its inputs. The shape: tokens,
         // cells attended, rows out, and a batch-invariant step's order list.
         let shape = [n, r.n_kv, r.out_rows.len(), r.in_order.map_or(0, |l| l + 1)];
-        let reusable = self.offloaded.is_empty() && seg.cut.is_none() && seg.resume.is_none();
+        // (Without offloaded experts a step is one segment.)
+        let reusable = self.offloaded.is_empty();
         let allocs = self.exec.allocs();
-        let reused = reusable && self.reuse_graphs && self.arena.kept(shape, allocs).is_some();
-        if !reused {
+        let reused = if reusable && self.reuse_graphs {
+            self.arena.reuse_or_reset(shape, allocs)
+        } else {
             self.arena.reset();
-        }
+            false
+        };
         // Split the borrows: graph building reads weights/kv, compute needs the backend mutably.
         let parts = GraphParts {
             model: &self.model,
@@ -339,9 +342,11 @@ impl Stage {
             in_order: r.in_order,
         };
         let ctx = self.arena.ctx();
-        let (graph, out) = match reused.then(|| self.arena.kept(shape, allocs)).flatten() {
-            Some((graph, out)) => (graph, SegmentOut::Range(out)),
-            None => parts.build_segment(ctx, n, r.n_kv, r.out_rows.len(), &seg),
+        let (graph, out) = if reused {
+            let (graph, out) = self.arena.kept(shape, allocs).expect("checked above");
+            (graph, SegmentOut::Range(out))
+        } else {
+            parts.build_segment(ctx, n, r.n_kv, r.out_rows.len(), &seg)
         };
         let t1 = Instant::now();
         if !reused {

@@ -300,12 +300,23 @@ impl GraphArena {
         }));
     }
 
+    /// Whether the kept graph serves a step of `shape` (its executor having
+    /// allocated nothing since: its [`Executor::allocs`] is still `allocs`);
+    /// if not, [`GraphArena::reset`] for a graph built afresh.
+    pub fn reuse_or_reset(&mut self, shape: [usize; 4], allocs: u64) -> bool {
+        let reuse = self.kept(shape, allocs).is_some();
+        if !reuse {
+            self.reset();
+        }
+        reuse
+    }
+
     /// The kept graph and its output, when it has `shape` and its executor
     /// allocated nothing since (its [`Executor::allocs`] is still `allocs`):
     /// its tensors are where they were, and only its inputs need writing.
     pub fn kept(&self, shape: [usize; 4], allocs: u64) -> Option<(Graph<'_>, Tensor<'_>)> {
         let k = self.kept.get()?;
-        (k.shape == shape && k.allocs == allocs && self.ctx.is_some()).then_some((
+        (k.shape == shape && k.allocs == allocs).then_some((
             Graph {
                 raw: k.graph,
                 _ctx: PhantomData,
