@@ -215,6 +215,10 @@ pub struct Registered {
     pub addr: String,
     pub inventory: Inventory,
     pub kind: WorkerKind,
+    /// What it still holds from a coordinator before this one (its Load,
+    /// or its experts' model and layers).
+    pub held: Option<omni_proto::worker::v1::LoadRequest>,
+    pub held_experts: Option<(String, Vec<u32>)>,
 }
 
 /// What the services share.
@@ -343,7 +347,11 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     }
 
     // 1. Workers.
-    let (workers, expert_workers) = start::wait_for_workers(&cfg, &shared, &mut reg_rx).await?;
+    let (mut workers, expert_workers) = start::wait_for_workers(&cfg, &shared, &mut reg_rx).await?;
+    // Workers that outlived a coordinator before this one keep their
+    // stages when the plan asks for what they hold: the same ranges, in
+    // the order they ran.
+    let held_counts = start::held_pipeline(&cfg, &mut workers);
 
     // 2. Plan, before anything is loaded.
     let sites: Vec<pipeline::Site> = workers.iter().map(pipeline::Site::of).collect();
@@ -351,15 +359,22 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     let spec = |w: &Registered| start::worker_spec(w, read_rates.get(&w.id).copied().unwrap_or(0));
     let specs: Vec<WorkerSpec> = workers.iter().map(spec).collect();
     let expert_specs: Vec<WorkerSpec> = expert_workers.iter().map(spec).collect();
-    let pcfg = start::plan_config(&cfg);
+    let mut pcfg = start::plan_config(&cfg);
+    if let Some(counts) = held_counts {
+        pcfg.split = Some(plan::Split::Layers(counts));
+    }
     let plan = plan::plan_with_experts(&model, &specs, &expert_specs, &pcfg)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!("plan:\n{plan}");
     shared.info.lock().unwrap().state = "loading".into();
 
-    // 3. Load every stage (in parallel), then wire the pipeline.
+    // 3. Load every stage (in parallel), then wire the pipeline. Steps are
+    // numbered from the clock's microseconds, so that a kept stage can tell
+    // the frames of a coordinator before this one (smaller ids) and drop
+    // them.
+    let first_step = start::first_step();
     let (replies, expert_info) = tokio::try_join!(
-        start::load_stages(&cfg, &plan, &workers),
+        start::load_stages(&cfg, &plan, &workers, first_step),
         start::load_experts(&cfg, &plan, &expert_workers),
     )?;
     let mut plan = plan;
@@ -401,7 +416,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     *shared.events.lock().unwrap() = Some(ev_tx.clone());
     let (recover_tx, recover_rx) = mpsc::unbounded_channel();
     let sched = Scheduler::new(
-        start::scheduler_config(&cfg, n_groups, &model.hparams),
+        start::scheduler_config(&cfg, n_groups, &model.hparams, first_step),
         tokenizer,
         outbox,
         metrics,

@@ -56,6 +56,9 @@ impl registry_server::Registry for RegistrySvc {
             addr: r.grpc_addr,
             inventory,
             kind,
+            held: r.held,
+            held_experts: (!r.held_expert_model.is_empty())
+                .then_some((r.held_expert_model, r.held_expert_layers)),
         };
         if !*self.0.registering.lock().unwrap() {
             // After the plan: only a worker of the plan coming back (it
@@ -67,8 +70,18 @@ impl registry_server::Registry for RegistrySvc {
                     self.0.cfg.workers, self.0.cfg.cpu_workers
                 ))
             })?;
-            // A drained worker runs nothing: the pipeline is not hurt.
+            // A drained worker runs nothing: the pipeline is not hurt; an
+            // undrain reaches it at its new address (and loads it first,
+            // as it restarted with nothing loaded).
             let drained = self.0.admin.is_drained(&id);
+            if drained {
+                let (admin, id, addr) = (self.0.admin.clone(), id.clone(), addr.clone());
+                tokio::spawn(async move {
+                    if let Some(live) = admin.live_lock().await.as_mut() {
+                        live.set_addr(&id, &addr);
+                    }
+                });
+            }
             if let Some(ev) = self.0.events.lock().unwrap().as_ref().filter(|_| !drained) {
                 // The supervisor's or the dead process's own word on how
                 // it ended ("died of SIGILL ..."), when there is one.
@@ -158,7 +171,19 @@ impl inference_server::Inference for InferenceSvc {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let r = req.into_inner();
-        let (prompt, chat) = self.prompt_ids(&r)?;
+        let (mut prompt, chat) = self.prompt_ids(&r)?;
+        // A resumed request goes on from the prompt the first coordinator
+        // tokenized (a template or tokenizer that changed in an upgrade
+        // must not shift the tokens under it).
+        let resumed = match r.resume.clone() {
+            Some(res) => {
+                if !res.prompt_ids.is_empty() {
+                    prompt = res.prompt_ids;
+                }
+                res.generated
+            }
+            None => Vec::new(),
+        };
         let n_ctx = shared.cfg.ctx;
         let max_tokens = match r.max_tokens {
             None => n_ctx.saturating_sub(prompt.len()),
@@ -190,7 +215,20 @@ impl inference_server::Inference for InferenceSvc {
             )
             .into());
         }
+        if let Some(&bad) = resumed.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(Error::invalid(
+                "resume.generated",
+                format!("token id {bad} is outside the vocabulary of {n_vocab} tokens"),
+            )
+            .into());
+        }
         let mut params = sampling_params(r.sampling.as_ref())?;
+        // The seed is chosen here when the request gave none, and told in
+        // the first event: a router that resumes the request elsewhere
+        // sends it back, so the random stream goes on as it was.
+        let seed = *params
+            .seed
+            .get_or_insert_with(omni_engine::sampling::fresh_seed);
         let (tool_grammar, calls) = chat.map_or((None, None), |c| (c.grammar, c.calls));
         match (tool_grammar, &params.grammar) {
             (Some(g), None) => params.grammar = Some(g),
@@ -272,12 +310,55 @@ impl inference_server::Inference for InferenceSvc {
         omni_telemetry::set_parent(&span, parent.as_deref());
         let traceparent = omni_telemetry::traceparent(&span).or(parent);
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        // Admitted: for a client that resumes requests, the first event
+        // says who serves it and with which seed, before it waits for a slot
+        // (a request still queued when this coordinator goes away is
+        // resumed too).
+        if r.resumable {
+            let _ = tx.send(Ok(GenerateEvent {
+                prompt_ids: prompt.clone(),
+                instance: shared.info.lock().unwrap().instance.clone(),
+                seed: Some(seed),
+                ..Default::default()
+            }));
+        }
+        let mut calls = calls;
+        if let Some(c) = calls.as_mut().filter(|_| !resumed.is_empty()) {
+            // The tool-call parser reads the answer's text so far, which the
+            // client has: only what follows is sent.
+            c.map(GenerateEvent {
+                text: resumed_text(&shared.tokenizer, &r.stop, &resumed),
+                ..Default::default()
+            });
+        }
         let stream = CancelOnDrop {
             inner: UnboundedReceiverStream::new(rx),
             id,
             events: events.clone(),
             calls,
         };
+        if resumed.len() >= max_tokens || prompt.len() + resumed.len() >= n_ctx {
+            // It had every token it may have when its coordinator went away
+            // (only the last event was lost).
+            let _ = tx.send(Ok(GenerateEvent {
+                done: Some(omni_proto::coordinator::v1::Done {
+                    finish_reason: omni_proto::coordinator::v1::FinishReason::Length as i32,
+                    prompt_tokens: prompt.len() as u32,
+                    completion_tokens: resumed.len() as u32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }));
+            return Ok(Response::new(stream));
+        }
+        if !resumed.is_empty() {
+            tracing::info!(
+                seq = id,
+                request = %request_id,
+                generated = resumed.len(),
+                "resuming a request of an earlier coordinator"
+            );
+        }
         events
             .send(Event::New(Box::new(NewSeq {
                 id,
@@ -295,6 +376,7 @@ impl inference_server::Inference for InferenceSvc {
                 traceparent,
                 cache_prompt: r.cache_prompt.unwrap_or(true),
                 deterministic,
+                resumed,
             })))
             .map_err(|_| Error::NotReady("the scheduler has stopped".into()))?;
         Ok(Response::new(stream))
@@ -349,6 +431,21 @@ impl InferenceSvc {
             }
         }
     }
+}
+
+/// The text a resumed request's tokens made (as the scheduler streamed it:
+/// stop strings held back), for the tool-call parser to read again.
+fn resumed_text(
+    tokenizer: &omni_engine::tokenizer::Tokenizer,
+    stop: &[String],
+    resumed: &[u32],
+) -> String {
+    let mut decoder = omni_engine::tokenizer::StreamDecoder::default();
+    let mut stops = omni_engine::sampling::StopMatcher::new(stop.to_vec());
+    resumed
+        .iter()
+        .map(|&t| crate::scheduler::push_text(tokenizer, &mut decoder, &mut stops, t).text)
+        .collect()
 }
 
 /// The request's sampling settings; absent means greedy. A grammar that is

@@ -202,12 +202,98 @@ pub(crate) fn fallback_notes(plan: &Plan, replies: &[LoadReply]) -> Vec<String> 
         .collect()
 }
 
+/// The id of this coordinator's first step: the clock's microseconds, so
+/// that it is above every step id of a coordinator before this one at the
+/// same address (whose frames a stage it kept must drop).
+pub(crate) fn first_step() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_micros() as u64)
+        .max(1)
+}
+
+/// When every stage worker holds a stage of this model with this
+/// coordinator's settings, from an earlier coordinator, and together they
+/// run the whole model in order: sorts `workers` in their stages' order and
+/// returns each stage's layer count, for a plan of the same ranges (whose
+/// Loads then keep the stages). None (and a note why) otherwise: the plan
+/// is made as on a first start, and a worker whose stage it does not ask
+/// for loads again.
+pub(crate) fn held_pipeline(
+    cfg: &CoordinatorConfig,
+    workers: &mut [Registered],
+) -> Option<Vec<u32>> {
+    let held: Vec<&LoadRequest> = workers.iter().filter_map(|w| w.held.as_ref()).collect();
+    if held.is_empty() {
+        return None;
+    }
+    let settings = load_request(cfg);
+    let same = |h: &LoadRequest| {
+        LoadRequest {
+            embed: false,
+            layer_start: 0,
+            layer_end: 0,
+            head: false,
+            stage: 0,
+            offloaded: Vec::new(),
+            stream_experts: false,
+            fence: 0,
+            ..h.clone()
+        } == settings
+    };
+    let why = if held.len() < workers.len() {
+        Some(format!(
+            "{} of {} workers hold a stage",
+            held.len(),
+            workers.len()
+        ))
+    } else {
+        held.iter().find(|h| !same(h)).map(|h| {
+            format!(
+                "a worker holds layers of {} with other settings (context, sequences, batch)",
+                h.model_path
+            )
+        })
+    };
+    if let Some(why) = why {
+        tracing::info!("workers hold stages of an earlier coordinator, but {why}: planning afresh");
+        return None;
+    }
+    workers.sort_by_key(|w| w.held.as_ref().map_or(u32::MAX, |h| h.stage));
+    let ranges: Vec<&LoadRequest> = workers.iter().filter_map(|w| w.held.as_ref()).collect();
+    let whole = ranges
+        .first()
+        .is_some_and(|h| h.embed && h.layer_start == 0)
+        && ranges.last().is_some_and(|h| h.head)
+        && ranges
+            .windows(2)
+            .all(|p| p[0].layer_end == p[1].layer_start);
+    if !whole {
+        tracing::info!(
+            "workers hold stages of an earlier coordinator that do not make one pipeline: planning afresh"
+        );
+        workers.sort_by(|a, b| a.id.cmp(&b.id));
+        return None;
+    }
+    let counts: Vec<u32> = ranges.iter().map(|h| h.layer_end - h.layer_start).collect();
+    tracing::info!(
+        "every worker holds its stage from an earlier coordinator: planning the same ranges ({})",
+        counts
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    Some(counts)
+}
+
 /// Has every stage worker load its range (all at once); their replies in
 /// stage order.
 pub(crate) async fn load_stages(
     cfg: &CoordinatorConfig,
     plan: &Plan,
     workers: &[Registered],
+    first_step: u64,
 ) -> anyhow::Result<Vec<LoadReply>> {
     let mut loads = Vec::new();
     for (i, (st, w)) in plan.stages.iter().zip(workers).enumerate() {
@@ -219,6 +305,7 @@ pub(crate) async fn load_stages(
             stage: i as u32,
             offloaded: st.offloaded.clone(),
             stream_experts: st.stream_bytes > 0,
+            fence: first_step,
             ..load_request(cfg)
         };
         let (id, addr) = (w.id.clone(), w.addr.clone());
@@ -230,7 +317,13 @@ pub(crate) async fn load_stages(
                     s.message()
                 )
             })?;
-            anyhow::Ok(r.into_inner())
+            let r = r.into_inner();
+            if r.kept {
+                tracing::info!(
+                    "worker {id} kept the stage it ran for an earlier coordinator (no load)"
+                );
+            }
+            anyhow::Ok(r)
         }));
     }
     let mut replies = Vec::new();
@@ -275,8 +368,9 @@ pub(crate) async fn load_experts(
                 })?
                 .into_inner();
             tracing::info!(
-                "expert worker {} holds the experts of layers {} ({} weights, {} compute; {})",
+                "expert worker {} {} the experts of layers {} ({} weights, {} compute; {})",
                 w.id,
+                if r.kept { "kept (no load)" } else { "holds" },
                 plan::fmt_layers(&layers),
                 omni_engine::fmt_bytes(r.weight_bytes),
                 omni_engine::fmt_bytes(r.compute_bytes),
@@ -525,8 +619,10 @@ pub(crate) fn scheduler_config(
     cfg: &CoordinatorConfig,
     n_groups: usize,
     hp: &omni_engine::Hparams,
+    first_step: u64,
 ) -> SchedulerConfig {
     SchedulerConfig {
+        first_step,
         n_ctx: cfg.ctx,
         n_seq: cfg.seqs,
         n_ubatch: cfg.ubatch,

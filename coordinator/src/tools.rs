@@ -5,8 +5,6 @@
 //! The model's tool-call syntax is found from its template
 //! (`omni_engine::tools::ToolFormat`).
 
-use std::hash::{BuildHasher, Hasher};
-
 use crate::error::Error;
 use omni_engine::chat::{ChatMessage, ChatTemplate, ToolCall};
 use omni_engine::sampling::Grammar;
@@ -263,13 +261,9 @@ impl ToolCalls {
 
 /// "call_" and 24 hex digits, as OpenAI's ids look.
 fn call_id() -> String {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
+    let (a, b) = (
+        omni_engine::sampling::fresh_seed(),
+        omni_engine::sampling::fresh_seed(),
     );
-    let a = h.finish();
-    h.write_u64(a);
-    format!("call_{a:016x}{:08x}", h.finish() as u32)
+    format!("call_{a:016x}{:08x}", b as u32)
 }

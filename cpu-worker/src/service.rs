@@ -63,6 +63,12 @@ pub struct CpuWorkerConfig {
     /// Give up if the coordinator cannot be reached for this long (seconds).
     #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
+    /// How long this worker keeps its experts once its coordinator is gone
+    /// (seconds): a coordinator that comes back at the same address within
+    /// it keeps them instead of loading again. 0: exit as soon as another
+    /// coordinator answers.
+    #[arg(long, default_value_t = omni_runtime::registry::DEFAULT_ORPHAN_GRACE)]
+    pub orphan_grace: f64,
     /// Compute with this ggml CPU variant (x64, sse42, sandybridge, haswell,
     /// skylakex, icelake, zen4, alderlake, ...) instead of the best one this
     /// CPU runs: a way around a variant that misbehaves here.
@@ -107,6 +113,10 @@ struct Loaded {
     jobs: crossbeam_channel::Sender<Job>,
     ring: usize,
     layers: Vec<u32>,
+    /// The request that loaded them and its reply (a new coordinator that
+    /// asks for the same keeps them).
+    request: LoadExpertsRequest,
+    reply: LoadExpertsReply,
 }
 
 struct Worker {
@@ -192,19 +202,39 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         let w = worker.clone();
         omni_runtime::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
     }
+    let who = omni_runtime::registry::Identity {
+        id: &id,
+        advertise: &advertise,
+        inventory,
+        kind: WorkerKind::Experts,
+    };
     let instance = omni_runtime::registry::register(
         &cfg.coordinator,
         cfg.register_timeout,
-        &id,
-        &advertise,
-        inventory,
-        WorkerKind::Experts,
+        &who,
         last_exit.as_deref(),
+        Default::default(),
     )
     .await?;
-    let r =
-        omni_runtime::registry::serve_while_coordinator_lives(server, &cfg.coordinator, &instance)
-            .await;
+    let held = || omni_runtime::registry::Held {
+        stage: None,
+        experts: worker
+            .loaded
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|l| (l.request.model_path.clone(), l.layers.clone())),
+    };
+    let grace = std::time::Duration::from_secs_f64(cfg.orphan_grace.max(0.0));
+    let r = omni_runtime::registry::serve_while_coordinator_lives(
+        server,
+        &cfg.coordinator,
+        instance,
+        grace,
+        &who,
+        held,
+    )
+    .await;
     worker.stop.store(true, Ordering::Relaxed);
     r?;
     tracing::info!("expert worker {id} stopped");
@@ -259,6 +289,20 @@ impl Worker {
                 self.id
             )))
         };
+        if let Some(l) = self.loaded.lock().unwrap().as_ref() {
+            if l.request == req {
+                // This worker outlived its coordinator and the new one asks
+                // for what it holds: nothing to load.
+                tracing::info!(
+                    "kept the experts of layers {:?} for the new coordinator (no load)",
+                    l.layers
+                );
+                return Ok(LoadExpertsReply {
+                    kept: true,
+                    ..l.reply.clone()
+                });
+            }
+        }
         // Free the previous experts first, so their memory is there for the new ones.
         *self.loaded.lock().unwrap() = None;
         let model = ModelFile::open(&req.model_path).map_err(|e| fail(&e))?;
@@ -286,6 +330,7 @@ impl Worker {
             compute_bytes: stage.compute_bytes() as u64,
             load_seconds: t.elapsed().as_secs_f64(),
             binding: self.binding.clone(),
+            kept: false,
         };
         let layers = stage.layers().to_vec();
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
@@ -298,6 +343,8 @@ impl Worker {
             jobs: tx,
             ring: ring_bytes(n_ubatch, n_embd, n_used),
             layers: layers.clone(),
+            request: req.clone(),
+            reply: reply.clone(),
         });
         tracing::info!(
             "loaded the experts of layers {layers:?} ({}) in {:.2}s",

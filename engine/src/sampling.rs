@@ -225,6 +225,17 @@ impl Sampler {
         }
     }
 
+    /// Moves the random stream past `n` draws, as if `n` tokens had been sampled (a sampled
+    /// token takes one draw): how a resumed request's sampler goes on where the one that
+    /// generated its first tokens was. Greedy sampling draws nothing, so it skips nothing.
+    pub fn skip_draws(&mut self, n: u64) {
+        if self.params.temperature >= 1e-6 {
+            // One draw is one u64: two 32-bit words of ChaCha's stream.
+            let pos = self.rng.get_word_pos() + 2 * u128::from(n);
+            self.rng.set_word_pos(pos);
+        }
+    }
+
     /// The logits after logit bias and penalties (NaN read as -inf): what the filters and the
     /// greedy pick see. `history` is every token of the sequence so far, prompt included.
     pub fn adjusted_logits(&mut self, logits: &[f32], history: &[u32]) -> &[f32] {
@@ -340,7 +351,8 @@ impl Sampler {
 
 /// Seed for samplers without one: the std hasher's per-process random keys mixed with the clock,
 /// so two samplers created in the same instant still differ.
-fn fresh_seed() -> u64 {
+/// A random seed (a fresh one each call).
+pub fn fresh_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     let now = std::time::SystemTime::now()

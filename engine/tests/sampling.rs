@@ -535,3 +535,32 @@ fn a_restored_sampler_draws_what_the_original_would_have() {
     assert_eq!(from_a, from_b);
     assert!(from_a.iter().any(|&t| t != from_a[0]), "the draws vary");
 }
+
+#[test]
+fn a_sampler_that_skips_the_draws_of_earlier_tokens_goes_on_as_the_one_that_drew_them() {
+    // A resumed request: its first tokens were sampled by another process;
+    // the new sampler, told how many, draws what the first would have next.
+    let steps = logits_sequence(48, 64);
+    for temperature in [0.0, 0.7, 1.3] {
+        let p = seeded(temperature, 1234);
+        let whole = generate(p.clone(), &steps);
+        for split in [1, 17, 47] {
+            let mut s = Sampler::new(p.clone());
+            s.skip_draws(split as u64);
+            let mut history: Vec<u32> = whole[..split].to_vec();
+            let rest: Vec<u32> = steps[split..]
+                .iter()
+                .map(|l| {
+                    let t = s.sample(l, &history);
+                    history.push(t);
+                    t
+                })
+                .collect();
+            assert_eq!(
+                rest,
+                whole[split..],
+                "temperature {temperature}, {split} tokens skipped"
+            );
+        }
+    }
+}

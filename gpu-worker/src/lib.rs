@@ -25,7 +25,7 @@ use omni_proto::worker::v1::{
     ResetRequest, StateChunk, StatusReply, StatusRequest, SwitchReply, Transport, WireReply,
     WireRequest,
 };
-use omni_runtime::registry::{listen, register, serve_while_coordinator_lives};
+use omni_runtime::registry::{listen, register, serve_while_coordinator_lives, Held, Identity};
 use omni_runtime::WorkerError;
 use omni_transport::{ExpertLink, Inbox, Outbox, TransportChoice};
 use std::path::PathBuf;
@@ -83,6 +83,12 @@ pub struct WorkerConfig {
     /// Give up if the coordinator cannot be reached for this long (seconds).
     #[arg(long, default_value_t = 60.0)]
     pub register_timeout: f64,
+    /// How long this worker keeps its layers and KV cache once its
+    /// coordinator is gone (seconds): a coordinator that comes back at the
+    /// same address within it keeps them instead of loading again. 0: exit
+    /// as soon as another coordinator answers.
+    #[arg(long, default_value_t = omni_runtime::registry::DEFAULT_ORPHAN_GRACE)]
+    pub orphan_grace: f64,
     /// Fail a step when an expert worker has not answered for this many
     /// seconds (one that dies is noticed at once).
     #[arg(long, default_value_t = 60.0)]
@@ -155,6 +161,15 @@ struct State {
     /// Bytes of this worker's inbox ring, and how many rings it made.
     ring_bytes: usize,
     rings: u32,
+    /// The Load the running stage answers, as it runs now (None once a
+    /// move changed it: a new coordinator then loads it again).
+    held: Option<LoadRequest>,
+    /// `held` while a switch waits for its Finish (a rollback restores it).
+    pending_held: Option<LoadRequest>,
+    /// What the running stage's Load replied (a kept stage replies the same).
+    held_reply: Option<LoadReply>,
+    /// Loads done (a kept stage is not one).
+    loads: u64,
 }
 
 /// Pieces of a state transfer on the wire (a KV export can be far larger
@@ -256,6 +271,10 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             move_pending: false,
             ring_bytes: 0,
             rings: 0,
+            held: None,
+            pending_held: None,
+            held_reply: None,
+            loads: 0,
         }),
     });
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -273,17 +292,26 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
         let w = worker.clone();
         omni_runtime::metrics::serve(addr, Arc::new(move || w.render_metrics())).await?;
     }
+    let who = Identity {
+        id: &id,
+        advertise: &advertise,
+        inventory,
+        kind: WorkerKind::Stage,
+    };
     let instance = register(
         &cfg.coordinator,
         cfg.register_timeout,
-        &id,
-        &advertise,
-        inventory,
-        WorkerKind::Stage,
+        &who,
         last_exit.as_deref(),
+        Held::default(),
     )
     .await?;
-    serve_while_coordinator_lives(server, &cfg.coordinator, &instance).await?;
+    let held = || Held {
+        stage: worker.state.lock().unwrap().held.clone(),
+        experts: None,
+    };
+    let grace = Duration::from_secs_f64(cfg.orphan_grace.max(0.0));
+    serve_while_coordinator_lives(server, &cfg.coordinator, instance, grace, &who, held).await?;
     tracing::info!("worker {id} stopped");
     Ok(())
 }
@@ -474,21 +502,8 @@ impl worker_server::Worker for Svc {
         &self,
         _: Request<OpenInboxRequest>,
     ) -> Result<Response<OpenInboxReply>, Status> {
-        let w = &self.0;
-        let (n, bytes) = {
-            let mut st = w.state.lock().unwrap();
-            st.rings += 1;
-            (st.rings, st.ring_bytes)
-        };
-        let mut inbox = w.inbox.lock().unwrap();
-        if bytes > 0 {
-            let name = format!("omni-{}-{}-{n}", w.id, std::process::id());
-            if let Err(e) = inbox.add_ring(&w.cfg.shm_dir, &name, bytes) {
-                tracing::warn!("no new shared-memory ring ({e}); receiving over gRPC only");
-            }
-        }
         Ok(Response::new(OpenInboxReply {
-            inbox: Some(inbox.endpoint(&w.advertise, &w.inventory.host_id)),
+            inbox: Some(self.0.new_ring()),
         }))
     }
 
@@ -527,6 +542,7 @@ impl worker_server::Worker for Svc {
             kv_cells_cached: w.stats.kv_cells_cached.load(Ordering::Relaxed),
             kv_cached_bytes: w.stats.kv_cached_bytes.load(Ordering::Relaxed),
             kv_cells_total: st.kv_cells,
+            loads: st.loads,
             steps: w.stats.steps.load(Ordering::Relaxed),
             last_step_ms: w.stats.last_step_us.load(Ordering::Relaxed) as f64 / 1e3,
             experts: w.stats.experts.lock().unwrap().clone(),
@@ -570,6 +586,9 @@ impl Worker {
     }
 
     fn load(&self, req: LoadRequest) -> Result<LoadReply, Status> {
+        if let Some(kept) = self.keep(&req)? {
+            return Ok(kept);
+        }
         let t = Instant::now();
         let range = LayerRange {
             embed: req.embed,
@@ -578,7 +597,12 @@ impl Worker {
         };
         tracing::info!("loading {range} of {}", req.model_path);
         // Drop a previous stage first, so its memory is free for the new one.
-        self.state.lock().unwrap().exec = None;
+        {
+            let mut st = self.state.lock().unwrap();
+            st.exec = None;
+            st.held = None;
+            st.held_reply = None;
+        }
         let model = ModelFile::open(&req.model_path).map_err(|e| {
             Status::from(WorkerError::bad_request(format!("worker {}: {e}", self.id)))
         })?;
@@ -706,6 +730,8 @@ impl Worker {
         );
         let mut st = self.state.lock().unwrap();
         st.exec = Some(Arc::new(exec));
+        st.held = Some(LoadRequest { fence: 0, ..req });
+        st.loads += 1;
         st.loaded = Some((model_arc, cfg.clone()));
         st.ring_bytes = 4 * frame;
         st.prepared = None;
@@ -723,13 +749,80 @@ impl Worker {
                 omni_engine::fmt_bytes(device_bytes),
             );
         }
-        Ok(LoadReply {
+        let reply = LoadReply {
             weight_bytes: reply_bytes.0,
             kv_bytes: reply_bytes.1,
             compute_bytes: reply_bytes.2,
             load_seconds: secs,
             inbox: Some(inbox_ep),
             fallback_ops,
-        })
+            kept: false,
+        };
+        st.held_reply = Some(reply.clone());
+        Ok(reply)
+    }
+
+    /// A Load of exactly the stage this worker runs (but for the fence):
+    /// the worker outlived its coordinator and the new one asks for what it
+    /// holds. The stage is kept: its sequences are forgotten (the new
+    /// coordinator replays what it resumes), frames of steps before the
+    /// fence are dropped, and a new inbox ring takes the new coordinator's
+    /// frames (a ring has one sender in its life). None: load as asked.
+    fn keep(&self, req: &LoadRequest) -> Result<Option<LoadReply>, Status> {
+        let (exec, reply) = {
+            let st = self.state.lock().unwrap();
+            let want = LoadRequest {
+                fence: 0,
+                ..req.clone()
+            };
+            match (&st.exec, &st.held, &st.held_reply) {
+                (Some(e), Some(h), Some(r)) if *h == want && !st.move_pending => {
+                    (e.clone(), r.clone())
+                }
+                (Some(_), Some(h), _) => {
+                    tracing::info!(
+                        "loading again: this worker runs {}..{} of {}, and the coordinator asks for {}..{} of {} with other settings",
+                        h.layer_start, h.layer_end, h.model_path, req.layer_start, req.layer_end, req.model_path
+                    );
+                    return Ok(None);
+                }
+                _ => return Ok(None),
+            }
+        };
+        let t = Instant::now();
+        let range = exec
+            .reset(req.fence)
+            .map_err(|e| Status::from(WorkerError::internal(format!("worker {}: {e}", self.id))))?;
+        let inbox = self.new_ring();
+        tracing::info!(
+            "kept {} for the new coordinator (no load: sequences forgotten, steps before {} dropped) in {:.1} ms",
+            range.map_or_else(|| "no layers".to_string(), |r| r.to_string()),
+            req.fence,
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(Some(LoadReply {
+            inbox: Some(inbox),
+            load_seconds: t.elapsed().as_secs_f64(),
+            kept: true,
+            ..reply
+        }))
+    }
+
+    /// A new shared-memory ring in the inbox for a new sender; the inbox's
+    /// endpoint.
+    fn new_ring(&self) -> Endpoint {
+        let (n, bytes) = {
+            let mut st = self.state.lock().unwrap();
+            st.rings += 1;
+            (st.rings, st.ring_bytes)
+        };
+        let mut inbox = self.inbox.lock().unwrap();
+        if bytes > 0 {
+            let name = format!("omni-{}-{}-{n}", self.id, std::process::id());
+            if let Err(e) = inbox.add_ring(&self.cfg.shm_dir, &name, bytes) {
+                tracing::warn!("no new shared-memory ring ({e}); receiving over gRPC only");
+            }
+        }
+        inbox.endpoint(&self.advertise, &self.inventory.host_id)
     }
 }

@@ -104,6 +104,9 @@ impl Worker {
         let mut st = self.state.lock().unwrap();
         st.move_pending = true;
         st.range = range.clone();
+        // A moved stage is no longer what its Load asked (a new coordinator
+        // loads it again); a rollback keeps the Load it had.
+        st.pending_held = st.held.take();
         match range {
             Some(r) => tracing::info!("switched to {r} ({took:.1} ms on the stage thread)"),
             None => tracing::info!("drained: this worker runs no layers now"),
@@ -135,6 +138,9 @@ impl Worker {
             );
         }
         st.range = range.clone();
+        if let Some(before) = st.pending_held.take().filter(|_| !commit) {
+            st.held = Some(before);
+        }
         Ok(FinishReply {
             held_bytes: self.stats.held_bytes.load(Ordering::Relaxed),
             range: range.map(|r| r.to_string()).unwrap_or_default(),
@@ -149,6 +155,9 @@ impl Worker {
             let mut st = self.state.lock().unwrap();
             st.prepared = None;
             st.move_pending = false;
+            if let Some(before) = st.pending_held.take() {
+                st.held = Some(before);
+            }
             st.exec.clone()
         };
         let exec = exec.ok_or_else(|| {

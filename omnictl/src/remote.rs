@@ -199,6 +199,8 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
         logprobs: a.top_logprobs > 0,
         top_logprobs: a.top_logprobs as u32,
         request_id: String::new(),
+        resume: None,
+        resumable: false,
         cache_prompt: None,
         deterministic: a.deterministic,
     };

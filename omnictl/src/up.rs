@@ -2,8 +2,10 @@
 //! as child processes of this one. Every child's log lines are prefixed with
 //! its name. It is also their supervisor: a worker that exits (a crash, an
 //! OOM kill) is started again with the same flags, registers again and the
-//! coordinator recovers; when the coordinator or the router exits, or on
-//! Ctrl-C, all of them are stopped.
+//! coordinator recovers; a coordinator or the router that exits is started
+//! again too (a coordinator's workers keep their layers for it, the router
+//! resumes its requests), so that each process can be restarted on a new
+//! binary in turn; on Ctrl-C or SIGTERM all of them are stopped.
 
 use anyhow::Context;
 use clap::Args;
@@ -246,10 +248,13 @@ pub struct LocalCluster {
     /// When each child was restarted lately.
     restarts: Vec<Vec<Instant>>,
     quiet: bool,
-    /// A coordinator that exits is started again (its workers notice the
-    /// new process and register with it) instead of stopping everything:
-    /// with several models, so that one model's crash stays inside it.
-    pub restart_coordinators: bool,
+    /// Every child that exits is started again, coordinators and the
+    /// router too (a coordinator's workers register with the new process,
+    /// keeping their layers; the router resumes requests and a new one
+    /// takes the port), instead of stopping everything: `omnictl up` sets
+    /// it, so that each process can be restarted (upgraded) in turn;
+    /// benchmarks do not.
+    pub restart_all: bool,
 }
 
 /// A worker that exits more often than this within a minute is not
@@ -290,7 +295,7 @@ impl LocalCluster {
             commands: Vec::new(),
             restarts: Vec::new(),
             quiet,
-            restart_coordinators: false,
+            restart_all: false,
         };
         let mut c = Command::new(&coordinator_bin);
         c.arg("--model")
@@ -476,8 +481,8 @@ impl LocalCluster {
     }
 
     /// Starts again every worker that exited, as its supervisor; fails
-    /// when the router or (unless `restart_coordinators`) a coordinator
-    /// exited, or a process keeps exiting.
+    /// when the router or a coordinator exited (unless `restart_all`), or
+    /// a process keeps exiting.
     pub fn supervise(&mut self) -> anyhow::Result<()> {
         for i in 0..self.children.len() {
             let (name, child) = &mut self.children[i];
@@ -486,7 +491,8 @@ impl LocalCluster {
             };
             let name = name.clone();
             let how = omni_telemetry::crash::describe(&status);
-            if name == "router" || (name.ends_with("coordinator") && !self.restart_coordinators) {
+            let service = name == "router" || name.ends_with("coordinator");
+            if service && !self.restart_all {
                 anyhow::bail!("{name} {how}; stopping the cluster (its log is above)");
             }
             let recent = &mut self.restarts[i];
@@ -1041,7 +1047,10 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         );
     }
     let mut cluster = cluster.expect("at least one model");
-    cluster.restart_coordinators = several;
+    // A coordinator or router that exits is started again: its workers
+    // keep their layers for a coordinator, the router resumes its requests
+    // (issue 42), so each process can be restarted on a new binary in turn.
+    cluster.restart_all = true;
     if a.port != 0 {
         let served: Vec<Served> = models
             .iter()

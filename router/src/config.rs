@@ -62,6 +62,9 @@ pub struct RouterSettings {
     pub max_in_flight: usize,
     /// Largest request body in bytes; beyond it, 413.
     pub body_limit: usize,
+    /// How long a request whose coordinator went away waits for one to
+    /// resume it (seconds); the client's stream pauses meanwhile.
+    pub resume_timeout: f64,
     /// OTLP/HTTP base URL for traces; none: no traces.
     pub otlp_endpoint: Option<String>,
 }
@@ -127,6 +130,12 @@ pub struct RouterConfig {
     /// Largest request body in bytes; beyond it, 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub body_limit: usize,
+    /// How long a request whose coordinator went away (a crash, an
+    /// upgrade) waits for a coordinator at the same address to resume it,
+    /// in seconds: the client's stream pauses and goes on with the tokens
+    /// it would have had. 0: the request fails at once.
+    #[arg(long, default_value_t = 120.0)]
+    pub resume_timeout: f64,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
 }
@@ -225,6 +234,7 @@ impl RouterConfig {
             api_keys,
             max_in_flight: self.max_in_flight,
             body_limit: self.body_limit,
+            resume_timeout: self.resume_timeout,
             otlp_endpoint: self.telemetry.otlp_endpoint.clone(),
         };
         for k in &self.upstream_keys {
@@ -327,6 +337,12 @@ impl RouterSettings {
         }
         if self.max_in_flight == 0 {
             return bad("max_in_flight must be at least 1".into());
+        }
+        if !(self.resume_timeout >= 0.0 && self.resume_timeout.is_finite()) {
+            return bad(format!(
+                "resume_timeout is {}; it must be 0 or more seconds",
+                self.resume_timeout
+            ));
         }
         if self.body_limit < 1024 {
             return bad(format!(

@@ -5,6 +5,7 @@
 pub mod backends;
 pub mod config;
 pub mod openai;
+pub mod resume;
 pub mod server;
 
 use anyhow::Context;
@@ -67,7 +68,7 @@ pub async fn run(cfg: RouterSettings) -> anyhow::Result<()> {
             auto.iter().take_while(|(r, _)| *r != Rule::Default).count()
         );
     }
-    let state = Arc::new(server::AppState::new(
+    let mut state = server::AppState::new(
         backends,
         auto,
         cfg.api_keys
@@ -77,7 +78,9 @@ pub async fn run(cfg: RouterSettings) -> anyhow::Result<()> {
             .collect(),
         cfg.max_in_flight.max(1),
         cfg.body_limit,
-    ));
+    );
+    state.resume_timeout = std::time::Duration::from_secs_f64(cfg.resume_timeout);
+    let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
@@ -88,6 +91,18 @@ pub async fn run(cfg: RouterSettings) -> anyhow::Result<()> {
         state.api_keys.len(),
         state.max_in_flight
     );
-    axum::serve(listener, server::app(state)).await?;
+    // SIGTERM (an upgrade, `docker stop`) or Ctrl-C: no new connections,
+    // and the requests in flight finish before the process exits.
+    let in_flight = state.clone();
+    axum::serve(listener, server::app(state))
+        .with_graceful_shutdown(async move {
+            omni_runtime::shutdown_signal().await;
+            tracing::info!(
+                "stopping: no new connections; finishing the {} request(s) in flight",
+                in_flight.max_in_flight - in_flight.limit.available_permits()
+            );
+        })
+        .await?;
+    tracing::info!("router stopped");
     Ok(())
 }

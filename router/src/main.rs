@@ -64,7 +64,7 @@ fn main() {
     let telemetry = omni_telemetry::TelemetryArgs {
         otlp_endpoint: settings.otlp_endpoint.clone(),
     };
-    omni_runtime::service_main("omni-router", None, &telemetry, omni_router::run(settings))
+    omni_runtime::service_main_graceful("omni-router", None, &telemetry, omni_router::run(settings))
 }
 
 /// GET /ready on the running router; the exit status of `healthcheck`.

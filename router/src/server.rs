@@ -112,6 +112,9 @@ pub struct AppState {
     pub metrics: Metrics,
     /// When the router started (the models' `created`).
     pub started: u64,
+    /// How long a request whose coordinator went away waits to be resumed
+    /// (`--resume-timeout`; see `resume.rs`).
+    pub resume_timeout: Duration,
 }
 
 impl AppState {
@@ -132,6 +135,7 @@ impl AppState {
             body_limit,
             metrics: Metrics::new(),
             started: openai::unix_now(),
+            resume_timeout: Duration::from_secs(120),
         }
     }
 
@@ -290,7 +294,7 @@ fn unreachable(s: tonic::Status, model: &str, addr: &str) -> tonic::Status {
 }
 
 /// A Generate call carrying the request's trace context.
-fn traced<T>(msg: T, traceparent: Option<&str>) -> tonic::Request<T> {
+pub(crate) fn traced<T>(msg: T, traceparent: Option<&str>) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
     if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
         req.metadata_mut().insert(omni_telemetry::TRACEPARENT, v);
@@ -330,13 +334,15 @@ async fn generate_all(
     base: &GenerateRequest,
     n: u32,
     traceparent: Option<&str>,
+    resume_timeout: Duration,
 ) -> Result<Vec<Generated>, tonic::Status> {
     let calls: Vec<_> = (0..n)
         .map(|i| {
-            let mut client = client.clone();
-            let req = traced(choice_request(base, i), traceparent);
+            let client = client.clone();
+            let req = choice_request(base, i);
+            let tp = traceparent.map(str::to_string);
             tokio::spawn(async move {
-                let mut stream = client.generate(req).await?.into_inner();
+                let mut stream = crate::resume::generate(&client, req, tp, resume_timeout).await?;
                 let mut g = Generated::default();
                 while let Some(ev) = stream.next().await {
                     g.push(&ev?);
@@ -378,14 +384,17 @@ async fn open_streams(
     base: &GenerateRequest,
     n: u32,
     traceparent: Option<&str>,
+    resume_timeout: Duration,
 ) -> Result<impl Stream<Item = (u32, Result<GenerateEvent, tonic::Status>)>, tonic::Status> {
     let mut merged = tokio_stream::StreamMap::new();
     for i in 0..n {
-        let mut c = client.clone();
-        let s = c
-            .generate(traced(choice_request(base, i), traceparent))
-            .await?
-            .into_inner();
+        let s = crate::resume::generate(
+            client,
+            choice_request(base, i),
+            traceparent.map(str::to_string),
+            resume_timeout,
+        )
+        .await?;
         merged.insert(i, s);
     }
     Ok(merged)
@@ -574,14 +583,14 @@ async fn serve_request<R: Api>(
     let n = r.choices();
     let tp = traceparent.as_deref();
     if r.streamed() {
-        let merged = open_streams(&client, &gen, n, tp)
+        let merged = open_streams(&client, &gen, n, tp, state.resume_timeout)
             .await
             .map_err(|s| R::error(&unreachable(s, &backend.name, &addr)))?;
         let held = (permit, span.clone());
         let events = stream_events::<R>(r.open_stream(), merged, n, state.clone(), held);
         return Ok(sse(events));
     }
-    let outputs = generate_all(&client, &gen, n, tp)
+    let outputs = generate_all(&client, &gen, n, tp, state.resume_timeout)
         .await
         .map_err(|s| R::error(&unreachable(s, &backend.name, &addr)))?;
     drop(permit);

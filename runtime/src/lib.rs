@@ -17,5 +17,7 @@ pub mod start;
 mod worker_error;
 
 pub use secrets::{read_secret, value_or_secret_file, warn_secret_flags};
-pub use service::{forget_empty_settings, probe_addr, service_main, shutdown_signal};
+pub use service::{
+    forget_empty_settings, probe_addr, service_main, service_main_graceful, shutdown_signal,
+};
 pub use worker_error::WorkerError;

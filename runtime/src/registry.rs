@@ -28,30 +28,51 @@ pub async fn listen(
     Ok((listener, local))
 }
 
+/// What a worker holds from an earlier coordinator, told in its
+/// registration (see RegisterRequest.held).
+#[derive(Clone, Debug, Default)]
+pub struct Held {
+    /// A stage worker's last Load, as it runs now.
+    pub stage: Option<omni_proto::worker::v1::LoadRequest>,
+    /// An expert worker's model and layers.
+    pub experts: Option<(String, Vec<u32>)>,
+}
+
+/// Who a worker is, as it registers (again).
+pub struct Identity<'a> {
+    pub id: &'a str,
+    pub advertise: &'a str,
+    pub inventory: Inventory,
+    pub kind: WorkerKind,
+}
+
 /// Registers with the coordinator at `coordinator`, retrying for `timeout`
 /// seconds while it cannot be reached. Returns the coordinator's instance
 /// (see [`serve_while_coordinator_lives`]).
 pub async fn register(
     coordinator: &str,
     timeout: f64,
-    id: &str,
-    advertise: &str,
-    inventory: Inventory,
-    kind: WorkerKind,
+    who: &Identity<'_>,
     last_exit: Option<&str>,
+    held: Held,
 ) -> anyhow::Result<String> {
     let deadline = Instant::now() + Duration::from_secs_f64(timeout);
     let url = format!("http://{coordinator}");
+    let id = who.id;
     let mut last_err = String::new();
+    let (held_expert_model, held_expert_layers) = held.experts.unwrap_or_default();
     while Instant::now() < deadline {
         match RegistryClient::connect(url.clone()).await {
             Ok(mut c) => {
                 let req = RegisterRequest {
                     worker_id: id.to_string(),
-                    grpc_addr: advertise.to_string(),
-                    inventory: Some(inventory.clone()),
-                    kind: kind as i32,
+                    grpc_addr: who.advertise.to_string(),
+                    inventory: Some(who.inventory.clone()),
+                    kind: who.kind as i32,
                     last_exit: last_exit.unwrap_or_default().to_string(),
+                    held: held.stage.clone(),
+                    held_expert_model: held_expert_model.clone(),
+                    held_expert_layers: held_expert_layers.clone(),
                 };
                 match c.register(req).await {
                     Ok(r) => {
@@ -82,56 +103,103 @@ pub async fn register(
     )
 }
 
+/// `--orphan-grace`'s default (seconds): long enough for a supervisor to
+/// start a coordinator again, or for an upgrade to replace it.
+pub const DEFAULT_ORPHAN_GRACE: f64 = 300.0;
+
 /// How often a worker asks whether its coordinator is the process it
 /// registered with.
 const COORDINATOR_CHECK: Duration = Duration::from_secs(2);
 
 /// Runs a worker's gRPC `server` (spawned) until it ends, or until the
-/// coordinator at `coordinator` is another process than `instance` (the
-/// one this worker registered with): then an error with the reason. A
-/// restarted coordinator knows nothing of this worker, and the worker holds
-/// state for the old one: it should exit so that its supervisor (compose's
-/// restart policy) starts it afresh and it registers with the new one.
+/// worker should exit (an error with the reason).
+///
+/// A worker outlives its coordinator (issue 42): when another coordinator
+/// process answers at `coordinator` than `instance` (the one this worker
+/// registered with), it registers with the new one, telling it what it
+/// holds (`held()`), so that the new coordinator can keep its layers and KV
+/// cache instead of loading them again. While no coordinator answers it
+/// keeps its state for `grace` (`--orphan-grace`), then exits so that its
+/// supervisor starts it afresh and its memory is free. A zero `grace` is
+/// the old way: exit as soon as another coordinator answers, and wait for
+/// one that does not answer for ever.
 pub async fn serve_while_coordinator_lives(
-    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    mut server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     coordinator: &str,
-    instance: &str,
+    instance: String,
+    grace: Duration,
+    who: &Identity<'_>,
+    held: impl Fn() -> Held,
 ) -> anyhow::Result<()> {
-    tokio::select! {
-        r = server => Ok(r??),
-        why = coordinator_restarted(coordinator, instance) => Err(anyhow::anyhow!(why)),
+    let mut instance = instance;
+    let mut lost_since: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            r = &mut server => return Ok(r??),
+            now = coordinator_instance(coordinator) => match now {
+                Some(now) if instance.is_empty() || now == instance => {
+                    if lost_since.take().is_some() {
+                        tracing::info!("the coordinator at {coordinator} answers again");
+                    }
+                }
+                Some(now) if grace.is_zero() => anyhow::bail!(
+                    "the coordinator at {coordinator} restarted (it was {instance}, now {now}): \
+                     this worker's state belongs to the old one; exiting so that it starts afresh \
+                     and registers again (--orphan-grace 0)"
+                ),
+                Some(now) => {
+                    tracing::warn!(
+                        "the coordinator at {coordinator} restarted (it was {instance}, now {now}): \
+                         registering with the new one, keeping what this worker holds"
+                    );
+                    // The new coordinator waits for its workers for its own
+                    // --register-timeout; this worker tries for its grace.
+                    instance = register(coordinator, grace.as_secs_f64(), who, None, held()).await?;
+                    lost_since = None;
+                }
+                None if grace.is_zero() => {}
+                None => {
+                    let since = *lost_since.get_or_insert_with(|| {
+                        tracing::warn!(
+                            "the coordinator at {coordinator} does not answer; keeping this worker's \
+                             state for {:.0}s (--orphan-grace) for it or its successor",
+                            grace.as_secs_f64()
+                        );
+                        Instant::now()
+                    });
+                    if since.elapsed() > grace {
+                        anyhow::bail!(
+                            "no coordinator answered at {coordinator} for {:.0}s (--orphan-grace): \
+                             exiting, so that this worker's memory is free and it starts afresh",
+                            grace.as_secs_f64()
+                        );
+                    }
+                }
+            },
+        }
     }
 }
 
-/// Returns, with the reason, once the coordinator at `coordinator` answers
-/// Info as another instance than `instance`. While it does not answer, it
-/// keeps asking: it may come back.
-async fn coordinator_restarted(coordinator: &str, instance: &str) -> String {
+/// After [`COORDINATOR_CHECK`], the instance of the coordinator at
+/// `coordinator`, or None when it does not answer.
+async fn coordinator_instance(coordinator: &str) -> Option<String> {
     use omni_proto::coordinator::v1::{inference_client::InferenceClient, InfoRequest};
+    tokio::time::sleep(COORDINATOR_CHECK).await;
     let url = format!("http://{coordinator}");
-    loop {
-        tokio::time::sleep(COORDINATOR_CHECK).await;
-        // A fresh connection each time: a lazy channel's reconnect backoff
-        // doubled the time to notice a restarted coordinator (4 s -> 8 s).
-        let ask = async {
-            let ch = tonic::transport::Endpoint::from_shared(url.clone())
-                .ok()?
-                .connect_timeout(COORDINATOR_CHECK)
-                .connect()
-                .await
-                .ok()?;
-            let info = InferenceClient::new(ch).info(InfoRequest {}).await.ok()?;
-            Some(info.into_inner().instance)
-        };
-        match tokio::time::timeout(COORDINATOR_CHECK * 2, ask).await {
-            Ok(Some(now)) if !instance.is_empty() && now != instance => {
-                return format!(
-                    "the coordinator at {coordinator} restarted (it was {instance}, now {now}): \
-                     this worker's state belongs to the old one; exiting so that it starts afresh \
-                     and registers again"
-                );
-            }
-            _ => {}
-        }
-    }
+    // A fresh connection each time: a lazy channel's reconnect backoff
+    // doubled the time to notice a restarted coordinator (4 s -> 8 s).
+    let ask = async {
+        let ch = tonic::transport::Endpoint::from_shared(url)
+            .ok()?
+            .connect_timeout(COORDINATOR_CHECK)
+            .connect()
+            .await
+            .ok()?;
+        let info = InferenceClient::new(ch).info(InfoRequest {}).await.ok()?;
+        Some(info.into_inner().instance)
+    };
+    tokio::time::timeout(COORDINATOR_CHECK * 2, ask)
+        .await
+        .ok()
+        .flatten()
 }

@@ -13,6 +13,34 @@ pub fn service_main<F>(service: &str, instance: Option<&str>, args: &TelemetryAr
 where
     F: Future<Output = anyhow::Result<()>>,
 {
+    main_of(service, instance, args, run, true)
+}
+
+/// [`service_main`] for a service whose `run` itself stops gracefully on
+/// Ctrl-C and SIGTERM ([`shutdown_signal`]): the router, which finishes the
+/// requests in flight first.
+pub fn service_main_graceful<F>(
+    service: &str,
+    instance: Option<&str>,
+    args: &TelemetryArgs,
+    run: F,
+) -> !
+where
+    F: Future<Output = anyhow::Result<()>>,
+{
+    main_of(service, instance, args, run, false)
+}
+
+fn main_of<F>(
+    service: &str,
+    instance: Option<&str>,
+    args: &TelemetryArgs,
+    run: F,
+    stop_at_signal: bool,
+) -> !
+where
+    F: Future<Output = anyhow::Result<()>>,
+{
     let fail = |e: anyhow::Error| -> ! {
         eprintln!("{service}: error: {e:#}");
         std::process::exit(1)
@@ -23,6 +51,9 @@ where
         .build()
         .unwrap_or_else(|e| fail(e.into()));
     let result = rt.block_on(async {
+        if !stop_at_signal {
+            return run.await;
+        }
         tokio::select! {
             r = run => r,
             _ = shutdown_signal() => Ok(()),

@@ -509,6 +509,91 @@ pub fn start_router(dir: &Path, args: &[String]) -> (Proc, String) {
     (router, addr)
 }
 
+/// A streamed completion as a client saw it: its text, its usage's
+/// completion tokens (with `stream_options.include_usage`), and when each
+/// chunk came.
+#[derive(Debug)]
+pub struct Sse {
+    pub text: String,
+    pub tokens: u64,
+    pub times: Vec<Instant>,
+}
+
+impl Sse {
+    /// The longest wait between two chunks.
+    pub fn max_gap(&self) -> Duration {
+        self.times
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or_default()
+    }
+}
+
+/// Errors of a request that never reached the router (nothing listened,
+/// or the connection was dropped before an answer): what an OpenAI SDK
+/// retries by itself.
+pub const NOT_CONNECTED: &str = "not connected: ";
+
+/// POSTs `body` to the router's `/v1/completions` and reads the SSE answer
+/// chunk by chunk as it comes; an error names what went wrong (an HTTP
+/// status, an error chunk, a stream cut short).
+pub fn sse_completion(addr: &str, body: &str) -> Result<Sse, String> {
+    use std::io::BufRead;
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("{NOT_CONNECTED}{e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(180))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| format!("{NOT_CONNECTED}{e}"))?;
+    let mut lines = std::io::BufReader::new(s).lines();
+    let status = match lines.next() {
+        None => {
+            return Err(format!(
+                "{NOT_CONNECTED}the connection closed before an answer"
+            ))
+        }
+        Some(Err(e)) => return Err(format!("{NOT_CONNECTED}{e}")),
+        Some(Ok(l)) => l,
+    };
+    if !status.contains(" 200 ") {
+        let rest: Vec<String> = lines.map_while(Result::ok).collect();
+        return Err(format!("{status}: {}", rest.join("\n")));
+    }
+    let mut out = Sse {
+        text: String::new(),
+        tokens: 0,
+        times: Vec::new(),
+    };
+    for line in lines {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        out.times.push(Instant::now());
+        if data == "[DONE]" {
+            return Ok(out);
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if let Some(e) = v.get("error") {
+            return Err(format!("the stream carried an error: {e}"));
+        }
+        if let Some(t) = v["choices"][0]["text"].as_str() {
+            out.text.push_str(t);
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            out.tokens = n;
+        }
+    }
+    Err(format!(
+        "the stream ended without [DONE] after {:?}",
+        out.text
+    ))
+}
+
 /// One HTTP/1.1 request; the status and the body (chunked bodies decoded).
 pub fn http(
     addr: &str,
@@ -715,6 +800,8 @@ pub struct Supervised {
     pub proc: Proc,
     pub addr: String,
     pub admin_addr: String,
+    /// The router's address, when one was asked for ([`Supervised::serving`]).
+    pub router: Option<String>,
     pub rt: tokio::runtime::Runtime,
     _dir: tempfile::TempDir,
 }
@@ -723,7 +810,29 @@ impl Supervised {
     /// Starts `omnictl up --model MODEL ARGS` (with `env` set for it and its
     /// children) and waits until the cluster serves.
     pub fn start(model: &Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
+        Supervised::launch(model, args, env, None)
+    }
+
+    /// [`Supervised::start`] with the router on a free port (the OpenAI
+    /// API at `router`), as a user runs it.
+    pub fn serving(model: &Path, args: &[&str], env: &[(&str, &str)]) -> Supervised {
+        let s = Supervised::launch(model, args, env, Some(free_port()));
+        let addr = s.router.clone().expect("a router");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http(&addr, "GET", "/ready", &[], b"").0 != 200 {
+            assert!(
+                Instant::now() < deadline,
+                "the router did not get ready\n{}",
+                s.proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s
+    }
+
+    fn launch(model: &Path, args: &[&str], env: &[(&str, &str)], port: Option<u16>) -> Supervised {
         let dir = tempfile::tempdir().expect("tempdir");
+        let port = port.unwrap_or(0).to_string();
         let addr = format!("127.0.0.1:{}", free_port());
         let admin_addr = format!("127.0.0.1:{}", free_port());
         let mut cmd = Command::new(target_bin("omnictl"));
@@ -736,7 +845,7 @@ impl Supervised {
                 "--admin-listen",
                 &admin_addr,
                 "--port",
-                "0",
+                &port,
             ])
             .args(args)
             .env("OMNI_LOG", "info")
@@ -752,6 +861,7 @@ impl Supervised {
             proc: Proc::spawn("omnictl-up", cmd, dir.path()),
             addr,
             admin_addr,
+            router: (port != "0").then(|| format!("127.0.0.1:{port}")),
             rt: tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -808,15 +918,20 @@ impl Supervised {
 
     /// The pid of the child started with `--id ID` (a worker), if running.
     pub fn pid_of(&self, id: &str) -> Option<i32> {
+        self.child_pid(&format!("--id\0{id}\0"))
+    }
+
+    /// The pid of the child whose command line holds `want` (its words
+    /// joined by NULs), if running.
+    pub fn child_pid(&self, want: &str) -> Option<i32> {
         let parent = self.proc.child.id().to_string();
-        let want = format!("--id\0{id}\0");
         std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
             // pid (comm) state ppid ...: comm may hold spaces, so after ')'.
             let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?;
             let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
-            (ppid == parent && String::from_utf8_lossy(&cmdline).contains(&want)).then_some(pid)
+            (ppid == parent && String::from_utf8_lossy(&cmdline).contains(want)).then_some(pid)
         })
     }
 

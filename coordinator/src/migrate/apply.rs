@@ -10,7 +10,9 @@ use crate::scheduler::Event;
 use omni_engine::fmt_bytes;
 use omni_engine::stage::LayerRange;
 use omni_proto::admin::v1::MoveReply;
-use omni_proto::worker::v1::PrepareRequest;
+use omni_proto::worker::v1::{
+    FinishRequest, LoadRequest, PrepareRequest, StateChunk, StatusRequest, SwitchHeader,
+};
 use std::time::Instant;
 use tonic::Status;
 
@@ -228,10 +230,51 @@ impl Live {
                 stage: c.stage,
             };
             let (id, addr) = self.addr(c.worker);
+            // A worker that restarted while drained has loaded nothing: it
+            // loads its new range first (its pipeline is wired later), so
+            // that it has a stage thread to switch on.
+            let load = LoadRequest {
+                embed: range.embed,
+                layer_start: range.layers.start,
+                layer_end: range.layers.end,
+                head: range.head,
+                stage: c.stage,
+                offloaded: off.clone(),
+                ..self.setup.load.clone()
+            };
             prepares.push((
                 c.worker,
                 tokio::spawn(async move {
                     let mut cl = client(&addr, PREPARE_TIMEOUT).await?;
+                    let loaded = cl
+                        .status(StatusRequest {})
+                        .await
+                        .map_err(|s| format!("worker {id} does not answer: {}", s.message()))?
+                        .into_inner()
+                        .loaded;
+                    if !loaded {
+                        // Loaded, then drained at once: a drained worker
+                        // (a stage thread, no stage) is what an undrain
+                        // switches.
+                        tracing::info!("worker {id} has loaded nothing (it restarted): loading it");
+                        let failed = |s: Status| {
+                            format!("worker {id} could not load its new range: {}", s.message())
+                        };
+                        cl.load(load).await.map_err(failed)?;
+                        let drain = StateChunk {
+                            header: Some(SwitchHeader {
+                                drain: true,
+                                ..Default::default()
+                            }),
+                            ..Default::default()
+                        };
+                        cl.switch(tokio_stream::iter(vec![drain]))
+                            .await
+                            .map_err(failed)?;
+                        cl.finish(FinishRequest { commit: true })
+                            .await
+                            .map_err(failed)?;
+                    }
                     cl.prepare(req).await.map(|r| r.into_inner()).map_err(|s| {
                         format!("worker {id} could not load its new range: {}", s.message())
                     })

@@ -332,6 +332,14 @@ impl Live {
         .map_err(|e| Status::from(Error::refused(e.to_string())))
     }
 
+    /// A stage worker that registered again from `addr` (it restarted
+    /// while drained: nothing to recover, but moves must reach it there).
+    pub(crate) fn set_addr(&mut self, id: &str, addr: &str) {
+        if let Some(w) = self.workers.iter_mut().find(|w| w.reg.id == id) {
+            w.reg.addr = addr.to_string();
+        }
+    }
+
     pub(crate) fn addr(&self, wi: usize) -> (String, String) {
         let r = &self.workers[wi].reg;
         (r.id.clone(), r.addr.clone())

@@ -34,8 +34,17 @@ impl Scheduler {
             let group = (0..self.groups.len())
                 .min_by_key(|&g| self.seqs.values().filter(|s| s.group == g).count())
                 .unwrap_or(0);
-            let tokens = new.prompt.clone();
-            let stops = StopMatcher::new(new.stop.clone());
+            let mut tokens = new.prompt.clone();
+            tokens.extend_from_slice(&new.resumed);
+            let mut stops = StopMatcher::new(new.stop.clone());
+            // A resumed request's text so far (the client has it) puts the
+            // decoder and the stop strings where they were.
+            let mut decoder = StreamDecoder::default();
+            for &t in &new.resumed {
+                push_text(&self.tokenizer, &mut decoder, &mut stops, t);
+            }
+            let first_token = (!new.resumed.is_empty()).then_some(new.arrived);
+            let generated = new.resumed.len();
             let hit = match self.prefix.as_mut() {
                 Some(pc) if new.cache_prompt => {
                     // A batch-invariant step computes a row the same in
@@ -71,11 +80,11 @@ impl Scheduler {
                     cells: hit.cells,
                     chain: hit.chain,
                     cached_tokens: k,
-                    generated: 0,
+                    generated,
                     started: false,
-                    decoder: StreamDecoder::default(),
+                    decoder,
                     stops,
-                    first_token: None,
+                    first_token,
                     recoveries: 0,
                     crashes: 0,
                 },
@@ -128,7 +137,7 @@ impl Scheduler {
             for id in &ids {
                 let s = self.seqs.get_mut(id).unwrap();
                 let remaining = s.tokens.len() - s.fed;
-                let decoding = s.fed >= s.new.prompt.len();
+                let decoding = s.fed >= s.new.prefill_len();
                 if s.group != g || remaining == 0 || decoding != decode_pass || budget == 0 {
                     continue;
                 }
@@ -394,8 +403,7 @@ impl Scheduler {
         if self.tokenizer.is_eog(tok) && !s.new.ignore_eos {
             finish = Some(FinishReason::Stop);
         } else {
-            let text = s.decoder.push(&self.tokenizer.piece(tok));
-            let out = s.stops.push(&text);
+            let out = push_text(&self.tokenizer, &mut s.decoder, &mut s.stops, tok);
             ev.text = out.text;
             if out.stopped {
                 finish = Some(FinishReason::Stop);

@@ -640,7 +640,8 @@ impl StageRun {
                     top_logprobs: s.top_logprobs as usize,
                     prompt_len: s.prompt_len as usize,
                 };
-                let sampler = Sampler::new(params);
+                let mut sampler = Sampler::new(params);
+                sampler.skip_draws(s.draws);
                 let model = stage.model();
                 let history = s.prefix_tokens.clone();
                 let seq = SeqSampler::new(sampler, start, history, &mut self.grammars, model);

@@ -305,6 +305,8 @@ impl ChatCompletionRequest {
             logprobs: self.logprobs(),
             top_logprobs,
             request_id: String::new(),
+            resume: None,
+            resumable: false,
         })
     }
 }

@@ -193,6 +193,8 @@ impl CompletionRequest {
             logprobs: self.logprobs(),
             top_logprobs,
             request_id: String::new(),
+            resume: None,
+            resumable: false,
         })
     }
 }
