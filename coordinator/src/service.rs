@@ -208,19 +208,14 @@ impl inference_server::Inference for InferenceSvc {
         }
         let max_tokens = max_tokens.min(n_ctx - prompt.len());
         let n_vocab = shared.tokenizer.n_vocab();
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(Error::invalid(
-                "prompt",
-                format!("token id {bad} is outside the vocabulary of {n_vocab} tokens"),
-            )
-            .into());
-        }
-        if let Some(&bad) = resumed.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(Error::invalid(
-                "resume.generated",
-                format!("token id {bad} is outside the vocabulary of {n_vocab} tokens"),
-            )
-            .into());
+        for (field, ids) in [("prompt", &prompt), ("resume.generated", &resumed)] {
+            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= n_vocab) {
+                return Err(Error::invalid(
+                    field,
+                    format!("token id {bad} is outside the vocabulary of {n_vocab} tokens"),
+                )
+                .into());
+            }
         }
         let mut params = sampling_params(r.sampling.as_ref())?;
         // The seed is chosen here when the request gave none, and told in

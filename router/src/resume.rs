@@ -62,13 +62,8 @@ pub async fn generate(
                         if prompt_ids.is_empty() {
                             prompt_ids = ev.prompt_ids.clone();
                         }
-                        if let (Some(seed), Some(s)) = (ev.seed, req.sampling.as_mut()) {
-                            s.seed = Some(seed);
-                        } else if let Some(seed) = ev.seed {
-                            req.sampling = Some(omni_proto::worker::v1::Sampling {
-                                seed: Some(seed),
-                                ..Default::default()
-                            });
+                        if let Some(seed) = ev.seed {
+                            req.sampling.get_or_insert_with(Default::default).seed = Some(seed);
                         }
                     }
                     let empty = ev.tokens.is_empty()
