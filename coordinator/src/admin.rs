@@ -359,12 +359,12 @@ pub(crate) async fn status(
     wait: Duration,
 ) -> Result<omni_proto::worker::v1::StatusReply, String> {
     let ask = async {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        let ch = omni_transport::tls::endpoint(addr)
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(1))
             .connect()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| omni_transport::tls::describe(&e))?;
         WorkerClient::new(ch)
             .status(StatusRequest {})
             .await

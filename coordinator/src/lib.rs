@@ -206,6 +206,8 @@ pub struct CoordinatorConfig {
     pub admin_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
+    #[command(flatten)]
+    pub tls: omni_transport::tls::TlsArgs,
 }
 
 /// A worker that registered.
@@ -313,6 +315,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
     if cfg.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
+    omni_transport::tls::install(&cfg.tls)?;
     start::resolve_admin_token(&mut cfg)?;
     let (model, tokenizer, template) = start::open_model(&cfg)?;
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
@@ -474,7 +477,7 @@ pub async fn run(mut cfg: CoordinatorConfig) -> anyhow::Result<()> {
 }
 
 async fn channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
-    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+    omni_transport::tls::endpoint(addr)?
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await
@@ -499,7 +502,7 @@ async fn watch_worker(
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let timeout = interval.max(Duration::from_millis(500)) * 2;
     let connect = |addr: &str| {
-        tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        omni_transport::tls::endpoint(addr)
             .ok()
             .map(|ep| HealthClient::new(ep.connect_timeout(timeout).connect_lazy()))
     };

@@ -367,13 +367,18 @@ impl Live {
             let (id, addr) = (reg.id.clone(), reg.addr.clone());
             done.push(format!("loaded the experts of {id}"));
             loads.spawn(async move {
-                let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                let ch = omni_transport::tls::endpoint(&addr)
                     .map_err(|e| e.to_string())?
                     .connect_timeout(Duration::from_secs(5))
                     .timeout(PREPARE_TIMEOUT)
                     .connect()
                     .await
-                    .map_err(|e| format!("cannot reach expert worker {id} at {addr}: {e}"))?;
+                    .map_err(|e| {
+                        format!(
+                            "cannot reach expert worker {id} at {addr}: {}",
+                            omni_transport::tls::describe(&e)
+                        )
+                    })?;
                 ExpertsClient::new(ch)
                     .load_experts(req)
                     .await

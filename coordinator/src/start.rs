@@ -513,16 +513,14 @@ pub(crate) async fn serve_admin(
             " (refusing every call: no admin token)"
         }
     );
-    let admin_server = tonic::transport::Server::builder()
+    let admin_server = omni_transport::tls::server()
         .add_service(
             omni_proto::admin::v1::admin_server::AdminServer::with_interceptor(
                 admin::AdminSvc(state),
                 admin::Auth::new(cfg.admin_token.clone()),
             ),
         )
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
-            admin_listener,
-        ));
+        .serve_with_incoming(omni_transport::tls::incoming(admin_listener));
     tokio::spawn(async move {
         if let Err(e) = admin_server.await {
             tracing::error!("the admin API stopped: {e}");
@@ -705,8 +703,7 @@ pub(crate) async fn serve_inference(
     health_reporter
         .set_not_serving::<inference_server::InferenceServer<service::InferenceSvc>>()
         .await;
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let server = omni_transport::tls::server()
         .add_service(health)
         .add_service(registry_server::RegistryServer::new(service::RegistrySvc(
             shared.clone(),
@@ -715,6 +712,6 @@ pub(crate) async fn serve_inference(
             service::InferenceSvc(shared.clone()),
         ))
         .add_service(inbox.sink_service())
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        .serve_with_incoming(omni_transport::tls::incoming(listener));
     (health_reporter, tokio::spawn(server))
 }

@@ -76,6 +76,8 @@ pub struct CpuWorkerConfig {
     pub cpu_variant: Option<String>,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
+    #[command(flatten)]
+    pub tls: omni_transport::tls::TlsArgs,
 }
 
 impl CpuWorkerConfig {
@@ -151,6 +153,7 @@ pub fn describe(b: &Binding) -> String {
 /// Runs the worker until the process is stopped. `binding` is what the
 /// caller did before any thread started.
 pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
+    omni_transport::tls::install(&cfg.tls)?;
     let id = cfg.worker_id();
     let bound_cpus = match &binding {
         Binding::Bound { cpus, .. } => Some(cpus.len()),
@@ -188,15 +191,14 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
     health_reporter
         .set_serving::<experts_server::ExpertsServer<Svc>>()
         .await;
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let server = omni_transport::tls::server()
         .add_service(health)
         .add_service(
             experts_server::ExpertsServer::new(Svc(worker.clone()))
                 .max_decoding_message_size(256 << 20)
                 .max_encoding_message_size(256 << 20),
         )
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        .serve_with_incoming(omni_transport::tls::incoming(listener));
     let server = tokio::spawn(server);
     if let Some(addr) = &cfg.metrics_listen {
         let w = worker.clone();

@@ -117,6 +117,8 @@ pub struct WorkerConfig {
     pub stream_experts: omni_engine::LocalExperts,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
+    #[command(flatten)]
+    pub tls: omni_transport::tls::TlsArgs,
 }
 
 /// `--expert-overlap`.
@@ -192,6 +194,7 @@ struct Worker {
 
 /// Runs the worker until the process is stopped.
 pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
+    omni_transport::tls::install(&cfg.tls)?;
     let id = cfg.worker_id();
     let cpu = omni_engine::cpu_backend(cfg.cpu_variant.as_deref())?;
     tracing::info!("ggml CPU backend: {cpu}");
@@ -281,12 +284,11 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
     health_reporter
         .set_serving::<worker_server::WorkerServer<Svc>>()
         .await;
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let server = omni_transport::tls::server()
         .add_service(health)
         .add_service(worker_server::WorkerServer::new(Svc(worker.clone())))
         .add_service(sink)
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        .serve_with_incoming(omni_transport::tls::incoming(listener));
     let server = tokio::spawn(server);
     if let Some(addr) = &cfg.metrics_listen {
         let w = worker.clone();

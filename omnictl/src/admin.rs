@@ -328,7 +328,7 @@ pub(crate) async fn admin_client(a: &AdminArgs) -> anyhow::Result<Client> {
 async fn client_with_timeout(a: &AdminArgs, timeout: Duration) -> anyhow::Result<Client> {
     let token = a.resolve_token()?;
     let addr = a.addr();
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+    let ch = omni_transport::tls::endpoint(&addr)?
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
         .connect()

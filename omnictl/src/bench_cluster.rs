@@ -336,11 +336,12 @@ fn raw_hop(choice: TransportChoice, frames: usize, payload: usize) -> anyhow::Re
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?.to_string();
     let sink = inbox.sink_service();
-    rt.spawn(
-        tonic::transport::Server::builder()
+    rt.spawn(async move {
+        omni_transport::tls::server()
             .add_service(sink)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+            .serve_with_incoming(omni_transport::tls::incoming(listener))
+            .await
+    });
     let ep = inbox.endpoint(&addr, &omni_transport::host_id());
     let mut out = rt.block_on(Outbox::connect(&ep, choice))?;
     let base = Instant::now();
@@ -481,9 +482,7 @@ pub(crate) async fn generate_ids(
     max_tokens: usize,
     sampling: Option<omni_proto::worker::v1::Sampling>,
 ) -> anyhow::Result<tonic::Streaming<omni_proto::coordinator::v1::GenerateEvent>> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-        .connect()
-        .await?;
+    let ch = omni_transport::tls::endpoint(addr)?.connect().await?;
     let req = GenerateRequest {
         prompt: Some(Prompt::Ids(TokenIds {
             ids: prompt.to_vec(),

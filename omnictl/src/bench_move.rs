@@ -196,7 +196,7 @@ async fn keep_decoding(
     stop: Arc<AtomicBool>,
     gaps: Arc<Mutex<Vec<f64>>>,
 ) -> anyhow::Result<usize> {
-    let mut c = InferenceClient::connect(format!("http://{addr}")).await?;
+    let mut c = InferenceClient::new(omni_transport::tls::endpoint(&addr)?.connect().await?);
     let mut n = 0;
     while !stop.load(Ordering::Relaxed) {
         let req = GenerateRequest {

@@ -10,6 +10,7 @@ mod bench_cluster;
 mod bench_moe;
 mod bench_move;
 mod bench_serve;
+mod certs;
 mod fetch;
 mod generate;
 mod models;
@@ -36,6 +37,38 @@ pub use fetch::{fetch, known_names, models_dir, KNOWN_MODELS};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    #[command(flatten)]
+    pub tls: ClientTls,
+}
+
+/// The credentials omnictl shows a cluster that requires mutual TLS (its
+/// calls to the admin API and the coordinator): before the command
+/// (`omnictl --tls-ca ca.pem ... workers`) or as OMNI_TLS_* variables.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClientTls {
+    /// The cluster CA's certificate (PEM), for a cluster that requires
+    /// mutual TLS; with --tls-cert and --tls-key (`omnictl certs` makes
+    /// them).
+    #[arg(
+        long = "tls-ca",
+        env = "OMNI_TLS_CA",
+        value_name = "FILE"
+    )]
+    pub tls_ca: Option<PathBuf>,
+    /// omnictl's certificate (PEM), signed by the cluster CA.
+    #[arg(
+        long = "tls-cert",
+        env = "OMNI_TLS_CERT",
+        value_name = "FILE"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// omnictl's private key (PEM).
+    #[arg(
+        long = "tls-key",
+        env = "OMNI_TLS_KEY",
+        value_name = "FILE"
+    )]
+    pub tls_key: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -65,6 +98,8 @@ pub enum Command {
     Split(split::SplitArgs),
     /// Join a split model's parts into one GGUF file.
     Merge(split::MergeArgs),
+    /// Make the cluster's CA and a certificate per process, for mutual TLS between hosts.
+    Certs(certs::CertsArgs),
     /// Write a GGUF with a named model's real shapes and random weights, for benchmarks (deepseek-r1, ...).
     Synth(synth::SynthArgs),
     /// List a running cluster's workers: memory, what they hold, KV cache, step time, health (admin API).
@@ -83,6 +118,11 @@ pub enum Command {
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    omni_transport::tls::install(&omni_transport::tls::TlsArgs {
+        tls_ca: cli.tls.tls_ca,
+        tls_cert: cli.tls.tls_cert,
+        tls_key: cli.tls.tls_key,
+    })?;
     match cli.command {
         Command::Fetch { name } => {
             let path = fetch(&name)?;
@@ -104,6 +144,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Split(args) => split::split(&args),
         Command::Merge(args) => split::merge(&args),
         Command::Synth(args) => synth::run(&args),
+        Command::Certs(args) => certs::run(&args),
         Command::Workers(args) => admin::workers(&args),
         Command::Top(args) => top::run(&args),
         Command::Rebalance(args) => admin::rebalance(&args),

@@ -29,7 +29,7 @@ async fn client(
     timeout: Duration,
 ) -> anyhow::Result<InferenceClient<tonic::transport::Channel>> {
     let addr = host_port(addr);
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+    let ch = omni_transport::tls::endpoint(&addr)?
         .connect_timeout(timeout)
         .connect()
         .await
@@ -70,7 +70,7 @@ pub async fn what_is_at(addr: &str) -> Option<&'static str> {
     if let Ok(Some(())) = tokio::time::timeout(t, http).await {
         return Some("an HTTP server (the OpenAI router's port?)");
     }
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    let ch = omni_transport::tls::endpoint(&addr)
         .ok()?
         .connect_timeout(t)
         .timeout(t)
@@ -121,7 +121,10 @@ pub async fn statuses(
     let mut out = Vec::new();
     for s in &info.stages {
         let st = async {
-            let mut w = WorkerClient::connect(format!("http://{}", s.worker_addr)).await?;
+            let ch = omni_transport::tls::endpoint(&s.worker_addr)?
+                .connect()
+                .await?;
+            let mut w = WorkerClient::new(ch);
             anyhow::Ok(w.status(StatusRequest {}).await?.into_inner())
         };
         out.push(

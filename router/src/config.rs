@@ -67,6 +67,8 @@ pub struct RouterSettings {
     pub resume_timeout: f64,
     /// OTLP/HTTP base URL for traces; none: no traces.
     pub otlp_endpoint: Option<String>,
+    /// Mutual TLS to the coordinators.
+    pub tls: omni_transport::tls::TlsArgs,
 }
 
 /// One served model: a coordinator of an omni cluster, or an upstream
@@ -138,6 +140,8 @@ pub struct RouterConfig {
     pub resume_timeout: f64,
     #[command(flatten)]
     pub telemetry: omni_telemetry::TelemetryArgs,
+    #[command(flatten)]
+    pub tls: omni_transport::tls::TlsArgs,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -236,6 +240,7 @@ impl RouterConfig {
             body_limit: self.body_limit,
             resume_timeout: self.resume_timeout,
             otlp_endpoint: self.telemetry.otlp_endpoint.clone(),
+            tls: self.tls.clone(),
         };
         for k in &self.upstream_keys {
             let (name, key) = k.split_once('=').ok_or_else(|| {

@@ -17,12 +17,13 @@ pub use config::{RouterConfig, RouterSettings};
 
 /// Serves until the process is stopped.
 pub async fn run(cfg: RouterSettings) -> anyhow::Result<()> {
+    omni_transport::tls::install(&cfg.tls)?;
     let mut backends = Vec::new();
     for m in &cfg.models {
         let (name, aliases) = (m.name.clone(), m.aliases.clone());
         let target = match (&m.coordinator, &m.upstream) {
             (Some(addr), _) => {
-                let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                let ch = omni_transport::tls::endpoint(addr)
                     .with_context(|| format!("model {name}: bad coordinator address '{addr}'"))?
                     .connect_timeout(Duration::from_secs(5))
                     .connect_lazy();

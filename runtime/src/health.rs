@@ -12,12 +12,17 @@ use tonic_health::pb::{
 /// within `wait`. Ok only for SERVING; the error says what came back.
 pub async fn check(addr: &str, service: &str, wait: Duration) -> Result<(), String> {
     let ask = async {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        let ch = omni_transport::tls::endpoint(addr)
             .map_err(|e| format!("bad address {addr}: {e}"))?
             .connect_timeout(wait)
             .connect()
             .await
-            .map_err(|e| format!("cannot connect to {addr}: {}", source_chain(&e)))?;
+            .map_err(|e| {
+                format!(
+                    "cannot connect to {addr}: {}",
+                    omni_transport::tls::describe(&e)
+                )
+            })?;
         let reply = HealthClient::new(ch)
             .check(HealthCheckRequest {
                 service: service.to_string(),
@@ -32,17 +37,6 @@ pub async fn check(addr: &str, service: &str, wait: Duration) -> Result<(), Stri
     tokio::time::timeout(wait, ask)
         .await
         .map_err(|_| format!("no answer from {addr} within {:.0}s", wait.as_secs_f64()))?
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// The `healthcheck` subcommand: probes the service listening on `listen`

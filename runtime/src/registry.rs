@@ -62,7 +62,11 @@ pub async fn register(
     let mut last_err = String::new();
     let (held_expert_model, held_expert_layers) = held.experts.unwrap_or_default();
     while Instant::now() < deadline {
-        match RegistryClient::connect(url.clone()).await {
+        let channel = match omni_transport::tls::endpoint(&url) {
+            Ok(ep) => ep.connect_timeout(Duration::from_secs(5)).connect().await,
+            Err(e) => anyhow::bail!("bad coordinator address {coordinator}: {e}"),
+        };
+        match channel.map(RegistryClient::new) {
             Ok(mut c) => {
                 let req = RegisterRequest {
                     worker_id: id.to_string(),
@@ -84,17 +88,22 @@ pub async fn register(
                         return Ok(r.instance);
                     }
                     // The coordinator answered and said no: retrying won't help.
+                    // (A TLS 1.3 server refuses a client's certificate after
+                    // the handshake: the call fails, its cause says why.)
                     Err(s) if s.code() != tonic::Code::Unavailable => {
+                        let why = match std::error::Error::source(&s) {
+                            Some(cause) => omni_transport::tls::describe(cause),
+                            None => s.message().to_string(),
+                        };
                         anyhow::bail!(
-                            "the coordinator at {coordinator} refused worker {id}: {} ({:?})",
-                            s.message(),
+                            "the coordinator at {coordinator} refused worker {id}: {why} ({:?})",
                             s.code()
                         )
                     }
                     Err(s) => last_err = s.message().to_string(),
                 }
             }
-            Err(e) => last_err = e.to_string(),
+            Err(e) => last_err = omni_transport::tls::describe(&e),
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -189,7 +198,7 @@ async fn coordinator_instance(coordinator: &str) -> Option<String> {
     // A fresh connection each time: a lazy channel's reconnect backoff
     // doubled the time to notice a restarted coordinator (4 s -> 8 s).
     let ask = async {
-        let ch = tonic::transport::Endpoint::from_shared(url)
+        let ch = omni_transport::tls::endpoint(&url)
             .ok()?
             .connect_timeout(COORDINATOR_CHECK)
             .connect()

@@ -134,11 +134,39 @@ where
     ) {
         let matches = C::command().get_matches();
         if let Some(("healthcheck", m)) = matches.subcommand() {
+            let who = format!("{what} healthcheck");
+            let chain = healthcheck_chain::<C>(what, svc, m, &env).unwrap_or_else(|e| e.exit(&who));
             let addr = match m.get_one::<String>("addr") {
                 Some(a) => a.clone(),
-                None => listen_setting::<C>(what, svc, m, &env)
-                    .unwrap_or_else(|e| e.exit(&format!("{what} healthcheck"))),
+                None => chain
+                    .get_one::<String>("listen")
+                    .cloned()
+                    .unwrap_or_else(|| {
+                        ParseError::Chain("no listen address: give --addr".into()).exit(&who)
+                    }),
             };
+            // The probe speaks the service's own TLS, from the same chain.
+            let tls = omni_transport::tls::TlsArgs {
+                tls_ca: chain
+                    .try_get_one::<PathBuf>("tls_ca")
+                    .ok()
+                    .flatten()
+                    .cloned(),
+                tls_cert: chain
+                    .try_get_one::<PathBuf>("tls_cert")
+                    .ok()
+                    .flatten()
+                    .cloned(),
+                tls_key: chain
+                    .try_get_one::<PathBuf>("tls_key")
+                    .ok()
+                    .flatten()
+                    .cloned(),
+            };
+            if let Err(e) = omni_transport::tls::install(&tls) {
+                eprintln!("{who}: {e}");
+                std::process::exit(2);
+            }
             std::process::exit(probe(&addr, m));
         }
         std::process::exit(0);
@@ -148,24 +176,21 @@ where
     parse(what, C::command(), svc, rest, &env, printing).unwrap_or_else(|e| e.exit(what))
 }
 
-/// The service's `listen` setting as the chain gives it for a health check
-/// (its `--config`, the environment; no flags).
-fn listen_setting<C: clap::CommandFactory>(
+/// The service's settings as the chain gives them for a health check (its
+/// `--config`, the environment; no flags): its `listen` and TLS.
+fn healthcheck_chain<C: clap::CommandFactory>(
     what: &str,
     svc: Service,
     healthcheck: &clap::ArgMatches,
     env: &[(String, String)],
-) -> Result<String, ParseError> {
+) -> Result<clap::ArgMatches, ParseError> {
     let mut argv = Vec::new();
     if let Some(file) = healthcheck.get_one::<PathBuf>("config") {
         argv.push(OsString::from(crate::config::CONFIG_FLAG));
         argv.push(file.clone().into_os_string());
     }
     let (_, matches, _) = chain_matches(what, C::command(), svc, &argv, env, true)?;
-    matches
-        .get_one::<String>("listen")
-        .cloned()
-        .ok_or_else(|| ParseError::Chain("no listen address: give --addr".into()))
+    Ok(matches)
 }
 
 /// [`start`] for a gRPC service whose health check asks for `health_service`

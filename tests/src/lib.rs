@@ -16,6 +16,7 @@ use tokio_stream::StreamExt;
 /// Fixture and model locations, shared with the engine's tests.
 #[path = "../../engine/tests/common/mod.rs"]
 pub mod fixtures;
+pub mod hosts;
 
 /// A binary of this workspace, from the same build as the running test.
 pub fn target_bin(name: &str) -> PathBuf {

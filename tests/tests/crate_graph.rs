@@ -173,21 +173,7 @@ fn unsafe_lives_only_where_architecture_md_says() {
             "ARCHITECTURE.md does not name {a}"
         );
     }
-    let mut files = Vec::new();
-    let mut dirs = vec![root.clone()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            let name = e.file_name().to_string_lossy().to_string();
-            if p.is_dir() {
-                if !name.starts_with('.') && name != "target" && name != "fuzz" {
-                    dirs.push(p);
-                }
-            } else if name.ends_with(".rs") {
-                files.push(p);
-            }
-        }
-    }
+    let files = rust_files(&root);
     assert!(files.len() > 50, "found only {} Rust files", files.len());
     let mut wrong = Vec::new();
     for f in files {
@@ -219,4 +205,71 @@ fn unsafe_lives_only_where_architecture_md_says() {
         }
     }
     assert!(wrong.is_empty(), "unsafe outside its places: {wrong:?}");
+}
+
+/// Every Rust file of the workspace (not `target/`, not `fuzz/`).
+fn rust_files(root: &std::path::Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if p.is_dir() {
+                if !name.starts_with('.') && name != "target" && name != "fuzz" {
+                    dirs.push(p);
+                }
+            } else if name.ends_with(".rs") {
+                files.push(p);
+            }
+        }
+    }
+    files
+}
+
+/// Every gRPC channel and listener of the services and omnictl is made by
+/// `omni_transport::tls` (issue 41): one that dials or serves on its own
+/// would be plaintext in a cluster that requires mutual TLS.
+#[test]
+fn every_grpc_connection_goes_through_omni_transport_tls() {
+    const SERVICES: &[&str] = &[
+        "coordinator/src/",
+        "gpu-worker/src/",
+        "cpu-worker/src/",
+        "router/src/",
+        "runtime/src/",
+        "omnictl/src/",
+        "transport/src/",
+    ];
+    let root = workspace();
+    let mut wrong = Vec::new();
+    for f in rust_files(&root) {
+        let rel = f
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if !SERVICES.iter().any(|s| rel.starts_with(s)) || rel == "transport/src/tls.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if [
+                "Endpoint::from",
+                "Server::builder(",
+                "Client::connect(",
+                "TcpListenerStream",
+            ]
+            .iter()
+            .any(|k| code.contains(k))
+            {
+                wrong.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "gRPC connections made outside omni_transport::tls: {wrong:#?}"
+    );
 }

@@ -5,6 +5,7 @@
 pub mod experts;
 pub mod link;
 pub mod shm;
+pub mod tls;
 
 pub use experts::{ExpertLink, ExpertLinkError};
 pub use link::{

@@ -527,16 +527,16 @@ impl Outbox {
     }
 }
 
-/// A gRPC channel to `addr` (5 s to connect, no Nagle delay).
+/// A gRPC channel to `addr` (5 s to connect; TLS, keepalive and no Nagle
+/// delay from [`crate::tls::endpoint`]).
 pub(crate) async fn connect_channel(addr: &str) -> Result<tonic::transport::Channel, LinkError> {
-    let grpc_err = |e: &dyn std::fmt::Display| LinkError::Grpc {
+    let grpc_err = |e: &tonic::transport::Error| LinkError::Grpc {
         addr: addr.to_string(),
-        msg: e.to_string(),
+        msg: crate::tls::describe(e),
     };
-    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    crate::tls::endpoint(addr)
         .map_err(|e| grpc_err(&e))?
         .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
         .connect()
         .await
         .map_err(|e| grpc_err(&e))

@@ -489,14 +489,19 @@ pub(crate) async fn client(
     addr: &str,
     timeout: Duration,
 ) -> Result<WorkerClient<tonic::transport::Channel>, String> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    let ch = omni_transport::tls::endpoint(addr)
         .map_err(|e| e.to_string())?
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
         .tcp_nodelay(true)
         .connect()
         .await
-        .map_err(|e| format!("cannot reach worker at {addr}: {e}"))?;
+        .map_err(|e| {
+            format!(
+                "cannot reach worker at {addr}: {}",
+                omni_transport::tls::describe(&e)
+            )
+        })?;
     Ok(WorkerClient::new(ch)
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20))
