@@ -49,25 +49,13 @@ pub struct ClientTls {
     /// The cluster CA's certificate (PEM), for a cluster that requires
     /// mutual TLS; with --tls-cert and --tls-key (`omnictl certs` makes
     /// them).
-    #[arg(
-        long = "tls-ca",
-        env = "OMNI_TLS_CA",
-        value_name = "FILE"
-    )]
+    #[arg(long = "tls-ca", env = "OMNI_TLS_CA", value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
     /// omnictl's certificate (PEM), signed by the cluster CA.
-    #[arg(
-        long = "tls-cert",
-        env = "OMNI_TLS_CERT",
-        value_name = "FILE"
-    )]
+    #[arg(long = "tls-cert", env = "OMNI_TLS_CERT", value_name = "FILE")]
     pub tls_cert: Option<PathBuf>,
     /// omnictl's private key (PEM).
-    #[arg(
-        long = "tls-key",
-        env = "OMNI_TLS_KEY",
-        value_name = "FILE"
-    )]
+    #[arg(long = "tls-key", env = "OMNI_TLS_KEY", value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
 }
 
