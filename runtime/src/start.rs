@@ -146,22 +146,11 @@ where
                     }),
             };
             // The probe speaks the service's own TLS, from the same chain.
+            let path = |id: &str| chain.try_get_one::<PathBuf>(id).ok().flatten().cloned();
             let tls = omni_transport::tls::TlsArgs {
-                tls_ca: chain
-                    .try_get_one::<PathBuf>("tls_ca")
-                    .ok()
-                    .flatten()
-                    .cloned(),
-                tls_cert: chain
-                    .try_get_one::<PathBuf>("tls_cert")
-                    .ok()
-                    .flatten()
-                    .cloned(),
-                tls_key: chain
-                    .try_get_one::<PathBuf>("tls_key")
-                    .ok()
-                    .flatten()
-                    .cloned(),
+                tls_ca: path("tls_ca"),
+                tls_cert: path("tls_cert"),
+                tls_key: path("tls_key"),
             };
             if let Err(e) = omni_transport::tls::install(&tls) {
                 eprintln!("{who}: {e}");

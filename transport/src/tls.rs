@@ -118,22 +118,6 @@ impl TlsArgs {
     pub fn is_set(&self) -> bool {
         self.tls_ca.is_some() && self.tls_cert.is_some() && self.tls_key.is_some()
     }
-
-    /// These settings as flags, for a process this one starts.
-    pub fn to_flags(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        for (flag, v) in [
-            ("--tls-ca", &self.tls_ca),
-            ("--tls-cert", &self.tls_cert),
-            ("--tls-key", &self.tls_key),
-        ] {
-            if let Some(p) = v {
-                out.push(flag.to_string());
-                out.push(p.display().to_string());
-            }
-        }
-        out
-    }
 }
 
 /// Sets this process's TLS from `args` (plaintext when they are unset):
