@@ -67,16 +67,23 @@ fn main() {
     omni_runtime::service_main_graceful("omni-router", None, &telemetry, omni_router::run(settings))
 }
 
-/// GET /ready on the running router; the exit status of `healthcheck`.
+/// GET /ready (with --live, /health) on the running router; the exit
+/// status of `healthcheck`.
 /// `listen` is the router's address (`--addr`, else its `listen` setting).
 fn healthcheck(listen: &str, m: &clap::ArgMatches) -> i32 {
     let timeout = *m
         .get_one::<f64>("timeout")
         .expect("--timeout has a default");
+    // --live: GET /health, which answers as soon as the router listens.
+    let path = if m.get_flag("live") {
+        "health"
+    } else {
+        "ready"
+    };
     let url = match m.get_one::<String>("url") {
         Some(u) => u.clone(),
         None => match omni_runtime::probe_addr(listen) {
-            Ok(a) => format!("http://{a}/ready"),
+            Ok(a) => format!("http://{a}/{path}"),
             Err(e) => {
                 eprintln!("omni-router healthcheck: {e}");
                 return 2;

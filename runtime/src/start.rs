@@ -193,7 +193,13 @@ where
         let timeout = *m
             .get_one::<f64>("timeout")
             .expect("--timeout has a default");
-        crate::health::healthcheck_main(what, addr, health_service, timeout)
+        // The server's own entry ("") is SERVING as soon as it listens.
+        let service = if m.get_flag("live") {
+            ""
+        } else {
+            health_service
+        };
+        crate::health::healthcheck_main(what, addr, service, timeout)
     });
     if let Some(table) = parsed.print {
         print!("{table}");
@@ -234,4 +240,10 @@ pub struct HealthcheckArgs {
     /// Seconds to wait for the answer.
     #[arg(long, default_value_t = 3.0)]
     pub timeout: f64,
+    /// Only that the process answers, not that it serves (a coordinator
+    /// waiting for its workers is live): for orchestrators that publish a
+    /// service's name only once it is healthy, as Swarm does, where workers
+    /// must find the coordinator that waits for them.
+    #[arg(long)]
+    pub live: bool,
 }

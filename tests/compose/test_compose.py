@@ -10,49 +10,36 @@ free port; the last test takes it down and checks that nothing is left.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from stackutil import (
+    BASE,
+    IMAGE,
+    MODEL_NAME,
+    ROOT,
+    Api,
+    assert_no_route_out,
+    inspect,
+    run,
+    stream_through_crash,
+    free_port,
+)
+
 UP = os.path.join(ROOT, "deploy", "up")
 PROJECT = f"omni-ci-{os.getpid()}"
-IMAGE = "omni:compose-test"
-BASE = "omni-base:bookworm"
-MODEL_NAME = "gemma3-270m"
 EXECUTOR_NAME = "coder"
 # The router's auto rules: code to the Executor, long prompts and the rest
 # to the first model.
 AUTO = f"keyword:code={EXECUTOR_NAME};prompt_chars>400={MODEL_NAME};default={MODEL_NAME}"
-# An address outside the brain network that the host reaches: the Debian
-# archive this machine installs from (deploy/base-image.sh needs it too).
-OUTSIDE_NAME = "deb.debian.org"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(*args, check=True, timeout=600, env=None):
-    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def inspect(kind, name):
-    return json.loads(run("docker", kind, "inspect", name).stdout)[0]
-
-
-class Stack:
+class Stack(Api):
     def __init__(self):
         self.port = free_port()
         self.secrets = tempfile.mkdtemp(prefix="omni-secrets-")
@@ -101,52 +88,6 @@ class Stack:
     def down(self):
         return subprocess.run([UP, "--down"], capture_output=True, text=True, timeout=300, env=self.env)
 
-    def get(self, path):
-        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.key}"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-
-    def post(self, path, body, key=None, timeout=120):
-        req = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(body).encode(),
-            headers={
-                "Content-Type": "application/json",
-                "Authorization": f"Bearer {key or self.key}",
-            },
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def stream(self, body, on_chunk=None, timeout=300):
-        """A streamed chat completion: (text, finish_reason, chunk times)."""
-        req = urllib.request.Request(
-            self.url + "/chat/completions",
-            data=json.dumps(dict(body, stream=True)).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.key}"},
-        )
-        text, finish, times = [], None, []
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for line in r:
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise AssertionError(f"the stream ended with an error: {chunk['error']}")
-                choice = chunk["choices"][0]
-                piece = choice.get("delta", {}).get("content") or ""
-                if piece:
-                    text.append(piece)
-                    times.append(time.monotonic())
-                    if on_chunk:
-                        on_chunk(len(text))
-                finish = choice.get("finish_reason") or finish
-        return "".join(text), finish, times
-
 
 @pytest.fixture(scope="module")
 def stack():
@@ -156,25 +97,6 @@ def stack():
         s.logs()
         s.down()
     shutil.rmtree(s.secrets, ignore_errors=True)
-
-
-def probe(container, script):
-    """Runs `script` in bash inside `container`'s network namespace (its
-    addresses, routes and DNS resolver): the runtime image has no shell, so
-    the probe brings its own (the base image, joined to the container's
-    network with --network container:ID)."""
-    return run(
-        "docker", "run", "--rm", "--network", f"container:{container}", BASE,
-        "bash", "-c", script, check=False, timeout=60,
-    )
-
-
-def dns(container):
-    return probe(container, f"getent hosts {OUTSIDE_NAME}")
-
-
-def tcp(container, ip, port=80):
-    return probe(container, f"timeout 5 bash -c 'exec 3<>/dev/tcp/{ip}/{port}' && echo connected")
 
 
 def test_every_container_is_healthy_by_its_own_exec_form_check(stack):
@@ -225,19 +147,7 @@ def test_the_image_has_no_shell_no_curl_and_only_what_the_binaries_need(stack):
 
 
 def test_a_chat_completion_through_the_published_port(stack):
-    status, body = stack.post(
-        "/chat/completions",
-        {
-            "model": MODEL_NAME,
-            "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-            "max_tokens": 24,
-            "temperature": 0,
-        },
-    )
-    assert status == 200, body
-    text = body["choices"][0]["message"]["content"]
-    assert len(text.strip()) > 0, body
-    assert body["usage"]["completion_tokens"] > 0
+    stack.assert_answers()
     # The key from the secret file is what lets it in.
     status, body = stack.post("/chat/completions", {"model": MODEL_NAME, "messages": []}, key="sk-wrong")
     assert status == 401, body
@@ -308,50 +218,9 @@ def test_the_brain_network_is_internal_and_only_the_router_is_published(stack):
 
 def test_nothing_on_the_brain_network_reaches_outside(stack):
     c = stack.containers()
-    outside_ip = socket.gethostbyname(OUTSIDE_NAME)
-    # The control: from the router's network namespace (it is also on the
-    # public network, which routes out), the same lookup and connection
-    # work; so the failures below are the brain network's doing, and would
-    # not happen if it were not internal.
-    r = dns(c["router"])
-    assert r.returncode == 0 and r.stdout.strip(), f"control DNS from the router failed: {r}"
-    r = tcp(c["router"], outside_ip)
-    assert "connected" in r.stdout, f"control TCP from the router failed: {r}"
-    for service in ["coordinator", "w0", "c0", "executor", "e0"]:
-        r = dns(c[service])
-        assert r.returncode != 0 and not r.stdout.strip(), f"{service} resolved {OUTSIDE_NAME}: {r.stdout}"
-        r = tcp(c[service], outside_ip)
-        assert "connected" not in r.stdout, f"{service} reached {outside_ip}:80"
-        # Inside the brain network names still resolve: the probe works.
-        r = probe(c[service], "getent hosts coordinator")
-        assert r.returncode == 0 and r.stdout.strip(), f"{service}: {r}"
-
-
-def stream_through_crash(stack, container, binary, max_tokens, at):
-    """A greedy story streamed once undisturbed, then again with `binary`
-    in `container` crashed after `at` chunks: the second must complete
-    with the same text. The longest pause it saw."""
-    body = {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    clean, finish, _ = stack.stream(body)
-    assert finish == "length" and clean
-    killed = threading.Event()
-
-    def kill_at(n):
-        if n == at and not killed.is_set():
-            killed.set()
-            crash(container, binary)
-
-    text, finish, times = stack.stream(body, on_chunk=kill_at)
-    assert killed.is_set()
-    assert finish == "length"
-    assert text == clean, f"the stream that lived through the crash of {binary} differs from the clean one"
-    return max(b - a for a, b in zip(times, times[1:]))
+    assert_no_route_out(
+        {s: c[s] for s in ["coordinator", "w0", "c0", "executor", "e0"]}, c["router"], "coordinator"
+    )
 
 
 def test_a_killed_worker_is_restarted_and_the_stream_in_flight_completes(stack):
@@ -368,20 +237,8 @@ def test_a_killed_worker_is_restarted_and_the_stream_in_flight_completes(stack):
         assert time.monotonic() < deadline, "w1 did not become healthy again"
         time.sleep(1)
     # And the cluster serves new requests afterwards.
-    status, out = stack.post(
-        "/chat/completions",
-        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
-    )
+    status, out = stack.hello()
     assert status == 200, out
-
-
-def crash(container, binary):
-    """SIGKILL to `binary`'s process in `container` (its host pid from
-    `docker top`): a crash, not an operator's stop. `docker kill` counts as
-    a manual stop, which restart policies leave stopped."""
-    top = run("docker", "top", container, "-eo", "pid,args").stdout.splitlines()[1:]
-    pid = next(int(l.split()[0]) for l in top if binary in l.split(None, 1)[1])
-    run(*([] if os.geteuid() == 0 else ["sudo"]), "kill", "-9", str(pid))
 
 
 def test_a_crashed_coordinator_is_restarted_keeps_its_workers_and_the_stream_in_flight_completes(stack):
@@ -400,10 +257,7 @@ def test_a_crashed_coordinator_is_restarted_keeps_its_workers_and_the_stream_in_
         logs = run("docker", "logs", c[s], check=False)
         assert "registering with the new one" in logs.stdout + logs.stderr
         assert "kept" in logs.stdout + logs.stderr, f"{s} loaded its stage again"
-    status, out = stack.post(
-        "/chat/completions",
-        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
-    )
+    status, out = stack.hello()
     assert status == 200, out
 
 

@@ -16,6 +16,7 @@
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 /// Two hosts, A and B, and the root namespace linked to A.
 pub struct Hosts {
@@ -167,6 +168,125 @@ impl Hosts {
                 ns,
                 &["tc", "qdisc", "replace", "dev", dev, "root", "blackhole"],
             );
+        }
+    }
+}
+
+/// A TCP proxy inside a host that holds every byte, each way, for a fixed
+/// delay before passing it on: the link's latency, which `tc netem` would
+/// add but this kernel lacks. Order is kept; the bandwidth is the link's.
+/// Stops (and drops its connections) when dropped.
+pub struct DelayProxy {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Hosts {
+    /// A [`DelayProxy`] in host `ns`, listening on `listen` (ADDR:PORT) and
+    /// passing each connection on to `target`, `one_way` late each way.
+    pub fn delay_proxy(
+        &self,
+        ns: &str,
+        listen: &str,
+        target: &str,
+        one_way: Duration,
+    ) -> DelayProxy {
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        let (ns_path, listen, target) = (
+            format!("/var/run/netns/{ns}"),
+            listen.to_string(),
+            target.to_string(),
+        );
+        let thread = std::thread::spawn(move || {
+            // This thread (and only it) moves into the host's network
+            // namespace, so the sockets it opens are the host's.
+            let ns = std::fs::File::open(&ns_path).unwrap_or_else(|e| panic!("{ns_path}: {e}"));
+            // SAFETY: setns on an open namespace file; it changes this
+            // thread's network namespace and nothing else.
+            let r =
+                unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns {ns_path}: {}", std::io::Error::last_os_error());
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime");
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind(&listen)
+                    .await
+                    .unwrap_or_else(|e| panic!("the delay proxy cannot listen on {listen}: {e}"));
+                let _ = ready_tx.send(());
+                let accept = async {
+                    while let Ok((inbound, _)) = l.accept().await {
+                        let target = target.clone();
+                        tokio::spawn(async move {
+                            let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                                return;
+                            };
+                            for s in [&inbound, &outbound] {
+                                let _ = s.set_nodelay(true);
+                            }
+                            let (ir, iw) = inbound.into_split();
+                            let (or, ow) = outbound.into_split();
+                            tokio::join!(late(ir, ow, one_way), late(or, iw, one_way));
+                        });
+                    }
+                };
+                tokio::select! {
+                    _ = accept => {}
+                    _ = stopped => {}
+                }
+            });
+        });
+        ready
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the delay proxy did not start");
+        DelayProxy {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+/// Copies `from` to `to`, each chunk `delay` after it arrived (a reader
+/// stamps chunks, a writer waits for each stamp: reading never waits).
+async fn late(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n @ 1..) = from.read(&mut buf).await {
+            if tx
+                .send((tokio::time::Instant::now() + delay, buf[..n].to_vec()))
+                .is_err()
+            {
+                break;
+            }
+        }
+    };
+    let write = async move {
+        while let Some((at, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }

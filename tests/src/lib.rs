@@ -540,6 +540,16 @@ pub const NOT_CONNECTED: &str = "not connected: ";
 /// chunk by chunk as it comes; an error names what went wrong (an HTTP
 /// status, an error chunk, a stream cut short).
 pub fn sse_completion(addr: &str, body: &str) -> Result<Sse, String> {
+    sse_completion_with(addr, body, || {})
+}
+
+/// [`sse_completion`], calling `on_chunk` as each chunk arrives (a test
+/// that acts mid-answer waits on it).
+pub fn sse_completion_with(
+    addr: &str,
+    body: &str,
+    mut on_chunk: impl FnMut(),
+) -> Result<Sse, String> {
     use std::io::BufRead;
     let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("{NOT_CONNECTED}{e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(180))).unwrap();
@@ -574,6 +584,7 @@ pub fn sse_completion(addr: &str, body: &str) -> Result<Sse, String> {
             continue;
         };
         out.times.push(Instant::now());
+        on_chunk();
         if data == "[DONE]" {
             return Ok(out);
         }

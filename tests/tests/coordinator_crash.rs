@@ -9,6 +9,8 @@
 
 use omni_tests::fixtures::{model, GEMMA};
 use omni_tests::{http, short_prompts, Supervised};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const N_STREAMED: usize = 8;
@@ -43,9 +45,11 @@ struct Answer {
     max_gap: Duration,
 }
 
-/// A streamed completion.
-fn streamed(addr: &str, body: &str) -> Result<Answer, String> {
-    let s = omni_tests::sse_completion(addr, body)?;
+/// A streamed completion; `chunks` counts the chunks as they arrive.
+fn streamed(addr: &str, body: &str, chunks: &AtomicUsize) -> Result<Answer, String> {
+    let s = omni_tests::sse_completion_with(addr, body, || {
+        chunks.fetch_add(1, Ordering::Relaxed);
+    })?;
     Ok(Answer {
         max_gap: s.max_gap(),
         text: s.text,
@@ -76,23 +80,30 @@ fn whole(addr: &str, body: &str) -> Result<Answer, String> {
     })
 }
 
-/// Runs every request at once; `during` runs once they are under way.
-fn run_all(addr: &str, prompts: &[Vec<u32>], during: impl FnOnce()) -> Vec<Result<Answer, String>> {
+/// Runs every request at once; `during` runs while they are under way, given
+/// the count of chunks the streamed ones have received so far.
+fn run_all(
+    addr: &str,
+    prompts: &[Vec<u32>],
+    during: impl FnOnce(&AtomicUsize),
+) -> Vec<Result<Answer, String>> {
+    let chunks = Arc::new(AtomicUsize::new(0));
     let handles: Vec<_> = (0..N_STREAMED + N_WHOLE)
         .map(|i| {
             let addr = addr.to_string();
             let streamed_one = i < N_STREAMED;
             let b = body(prompts, i, streamed_one);
+            let chunks = chunks.clone();
             std::thread::spawn(move || {
                 if streamed_one {
-                    streamed(&addr, &b)
+                    streamed(&addr, &b, &chunks)
                 } else {
                     whole(&addr, &b)
                 }
             })
         })
         .collect();
-    during();
+    during(&chunks);
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
@@ -122,7 +133,7 @@ fn every_request_outlives_a_killed_coordinator_and_no_worker_loads_again() {
     let loads = |up: &Supervised| -> Vec<u64> { up.statuses().iter().map(|s| s.loads).collect() };
     assert_eq!(loads(&up), vec![1, 1], "each worker loaded its stage once");
 
-    let undisturbed = run_all(&router, &prompts, || {});
+    let undisturbed = run_all(&router, &prompts, |_| {});
     let undisturbed: Vec<Answer> = undisturbed
         .into_iter()
         .enumerate()
@@ -137,13 +148,17 @@ fn every_request_outlives_a_killed_coordinator_and_no_worker_loads_again() {
         .collect();
 
     let before = up.info().expect("info").instance;
-    let crashed = run_all(&router, &prompts, || {
-        // Under way: every request admitted and some tokens out.
+    let crashed = run_all(&router, &prompts, |chunks| {
+        // Mid-answer: every request admitted and the streamed ones two tokens
+        // in on average (counted where the client reads them, so the router
+        // holds tokens to resume with: a worker's token count alone also
+        // counts the first run's and prompt tokens).
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            let tokens: u64 = up.statuses().iter().map(|s| s.tokens).sum();
             let info = up.info().expect("info");
-            if info.active_sequences as usize == N_STREAMED + N_WHOLE && tokens > 0 {
+            if info.active_sequences as usize == N_STREAMED + N_WHOLE
+                && chunks.load(Ordering::Relaxed) >= 2 * N_STREAMED
+            {
                 break;
             }
             assert!(
@@ -153,7 +168,6 @@ fn every_request_outlives_a_killed_coordinator_and_no_worker_loads_again() {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        std::thread::sleep(Duration::from_millis(300));
         let pid = up
             .child_pid("omni-coordinator")
             .unwrap_or_else(|| panic!("no coordinator process\n{}", up.proc.log_text()));

@@ -6,6 +6,7 @@
 //! worker is not healthy (its Inference service is NOT_SERVING), one that
 //! serves is; a worker is healthy while it answers and not once it is gone;
 //! the router is healthy only while every cluster behind it is ready.
+//! With `--live`, a process that answers is healthy, ready or not.
 
 use omni_tests::fixtures::{model, GEMMA};
 use omni_tests::{free_port, start_router, target_bin, Cluster, ClusterSpec, Proc};
@@ -63,6 +64,10 @@ fn healthchecks_say_what_serves() {
         out.contains("omni.coordinator.v1.Inference") && out.contains("NOT_SERVING"),
         "{out}"
     );
+    // ... but live: what Swarm waits for before it publishes the
+    // coordinator's name, which w1 needs to find it (deploy/swarm.yml).
+    let (code, out) = healthcheck("omni-coordinator", &["--addr", &c.addr, "--live"], &[]);
+    assert_eq!(code, 0, "a waiting coordinator is live: {out}");
 
     let mut w1 = Command::new(target_bin("omni-gpu-worker"));
     w1.args(["--coordinator", &c.addr, "--id", "w1", "--threads", "1"])
@@ -108,6 +113,8 @@ fn healthchecks_say_what_serves() {
         out.contains("not ready") && out.contains("recovering"),
         "{out}"
     );
+    let (code, out) = healthcheck("omni-router", &["--live"], &[("OMNI_ROUTER_LISTEN", &addr)]);
+    assert_eq!(code, 0, "a router whose cluster recovers is live: {out}");
 
     // Bad arguments are a different exit code from "not healthy".
     let (code, out) = healthcheck("omni-gpu-worker", &[], &[]);

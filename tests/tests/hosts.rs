@@ -66,16 +66,33 @@ struct TwoHosts {
     pki: PathBuf,
     dir: tempfile::TempDir,
     rt: tokio::runtime::Runtime,
+    /// With latency: the proxies every A-B connection goes through.
+    _proxies: Vec<omni_tests::hosts::DelayProxy>,
 }
 
 impl TwoHosts {
     /// The cluster on two hosts, mutual TLS between every process when
     /// `tls` (this test process joins it then, so a later cluster of this
     /// process must have TLS too).
-    fn start(tls_on: bool, coordinator_args: &[&str]) -> TwoHosts {
+    /// With `latency`, every connection between A and B goes through a
+    /// [`DelayProxy`](omni_tests::hosts::DelayProxy) holding its bytes that
+    /// long each way: w1 and the coordinator advertise the proxies in
+    /// host B, so w0's hidden states (A to B), w1's output (B to A) and the
+    /// coordinator's calls to w1 all wait.
+    fn start(tls_on: bool, coordinator_args: &[&str], latency: Option<Duration>) -> TwoHosts {
         let dir = tempfile::tempdir().unwrap();
-        let pki = dir.path().join("pki");
-        certs(&pki, "coordinator,router,w0,w1,omnictl");
+        // One CA for every cluster of this test process: it joins the first
+        // with TLS, once (the install is process-wide), and the later ones
+        // with the same certificate.
+        static PKI: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+        let pki = PKI
+            .get_or_init(|| {
+                let d = tempfile::tempdir().unwrap();
+                certs(d.path(), "coordinator,router,w0,w1,omnictl");
+                d
+            })
+            .path()
+            .to_path_buf();
         if tls_on {
             // This test process is a member of the cluster too (it asks the
             // coordinator directly), with omnictl's certificate.
@@ -98,12 +115,34 @@ impl TwoHosts {
         let port = omni_tests::free_port();
         let coord = format!("{}:{port}", hosts.a_addr());
         let coord_from_root = format!("{}:{port}", hosts.a_from_root());
+        // Ports in host B (its own port space): w1's, the proxy before it,
+        // the proxy before the coordinator.
+        let (w1_port, w1_proxy, coord_proxy) = (7101, 7102, 7103);
+        let mut proxies = Vec::new();
+        let (coord_advertised, w1_listen, w1_advertised) = match latency {
+            Some(d) => {
+                let b = hosts.b_addr();
+                proxies.push(hosts.delay_proxy(
+                    &hosts.b,
+                    &format!("{b}:{w1_proxy}"),
+                    &format!("{b}:{w1_port}"),
+                    d,
+                ));
+                proxies.push(hosts.delay_proxy(&hosts.b, &format!("{b}:{coord_proxy}"), &coord, d));
+                (
+                    format!("{b}:{coord_proxy}"),
+                    format!("{b}:{w1_port}"),
+                    Some(format!("{b}:{w1_proxy}")),
+                )
+            }
+            None => (coord.clone(), format!("{}:0", hosts.b_addr()), None),
+        };
 
         let mut c = hosts.command(&hosts.a, &target_bin("omni-coordinator"));
         c.arg("--model")
             .arg(model(GEMMA))
             .args(["--listen", &format!("0.0.0.0:{port}")])
-            .args(["--advertise", &coord])
+            .args(["--advertise", &coord_advertised])
             .args([
                 "--workers",
                 "2",
@@ -122,18 +161,23 @@ impl TwoHosts {
             .args(tls("coordinator"))
             .env("OMNI_LOG", "info");
         let coordinator = Proc::spawn("coordinator", c, dir.path());
-        let worker = |host: &str, addr: String, id: &str| {
+        let worker = |host: &str, listen: String, advertise: Option<String>, id: &str| {
             let mut w = hosts.command(host, &target_bin("omni-gpu-worker"));
             w.args(["--coordinator", &coord])
-                .args(["--listen", &format!("{addr}:0")])
+                .args(["--listen", &listen])
+                .args(
+                    advertise
+                        .map(|a| vec!["--advertise".to_string(), a])
+                        .unwrap_or_default(),
+                )
                 .args(["--id", id, "--threads", "1", "--register-timeout", "60"])
                 .args(tls(id))
                 .env("GOMP_SPINCOUNT", "10000")
                 .env("OMNI_LOG", "info");
             Proc::spawn(id, w, dir.path())
         };
-        let w0 = worker(&hosts.a, hosts.a_addr(), "w0");
-        let w1 = worker(&hosts.b, hosts.b_addr(), "w1");
+        let w0 = worker(&hosts.a, format!("{}:0", hosts.a_addr()), None, "w0");
+        let w1 = worker(&hosts.b, w1_listen, w1_advertised, "w1");
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -149,6 +193,7 @@ impl TwoHosts {
             pki,
             dir,
             rt,
+            _proxies: proxies,
         };
         two.wait_ready();
         two
@@ -239,7 +284,7 @@ impl TwoHosts {
 
 #[test]
 fn two_hosts_over_mutual_tls() {
-    let two = TwoHosts::start(true, &[]);
+    let two = TwoHosts::start(true, &[], None);
     // Between the hosts the automatic choice found no shared memory.
     assert!(
         two.w0.log_text().contains("over grpc"),
@@ -370,9 +415,10 @@ fn decode_once(http: &str) -> (f64, f64) {
     (single, eight)
 }
 
-/// Decode over the link between two hosts beside shared memory on one, and
-/// the cost of TLS on that link. A benchmark, not a test:
-/// `cargo test --release -p omni-tests --test hosts -- --ignored --nocapture`.
+/// Decode over the link between two hosts beside shared memory on one, the
+/// cost of TLS on that link, and of 1 ms of latency each way (a delay
+/// proxy). A benchmark, not a test:
+/// `cargo test --release --workspace --test hosts -- --ignored --nocapture`.
 #[test]
 #[ignore = "a benchmark (run with --ignored --nocapture)"]
 fn bench_across_hosts() {
@@ -391,14 +437,24 @@ fn bench_across_hosts() {
         decode_rates(&http)
     };
     let plain = {
-        let two = TwoHosts::start(false, &counts);
+        let two = TwoHosts::start(false, &counts, None);
         let (_r, http) = two.router();
         decode_rates(&http)
     };
     let tls = {
-        let two = TwoHosts::start(true, &counts);
+        let two = TwoHosts::start(true, &counts, None);
         let (_r, http) = two.router();
         decode_rates(&http)
+    };
+    let one_way = Duration::from_millis(1);
+    let (late, hop) = {
+        let two = TwoHosts::start(true, &counts, Some(one_way));
+        let (_r, http) = two.router();
+        let rates = decode_rates(&http);
+        let info = two
+            .rt
+            .block_on(two.client().expect("a client").info(InfoRequest {}));
+        (rates, info.expect("info").into_inner().hop_us_p50)
     };
     println!("Gemma 3 270M, 2 stages, through the router (tok/s):");
     println!("| path | 1 stream | 8 streams | 1 stream vs shm | 8 vs shm |");
@@ -407,6 +463,7 @@ fn bench_across_hosts() {
         ("one host, shared memory", shm),
         ("two hosts, gRPC, 1 Gbit/s", plain),
         ("two hosts, gRPC + mutual TLS, 1 Gbit/s", tls),
+        ("the same, 1 ms each way (delay proxy)", late),
     ] {
         println!(
             "| {name} | {one:.1} | {eight:.1} | {:.2}x | {:.2}x |",
@@ -418,5 +475,12 @@ fn bench_across_hosts() {
         "TLS on vs off over the link: 1 stream {:.3}x, 8 streams {:.3}x",
         tls.0 / plain.0,
         tls.1 / plain.1
+    );
+    println!(
+        "{} ms each way vs none: 1 stream {:.3}x, 8 streams {:.3}x; the pipeline's per-hop latency with it: p50 {:.0} us",
+        one_way.as_millis(),
+        late.0 / tls.0,
+        late.1 / tls.1,
+        hop
     );
 }

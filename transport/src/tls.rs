@@ -68,11 +68,13 @@ pub struct TlsArgs {
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("cannot read {what} {path}: {source}")]
+    // `error`, not `source`: the message says it once (a source would be
+    // printed again by every `{:#}` of the chain).
+    #[error("cannot read {what} {path}: {error}")]
     Read {
         what: &'static str,
         path: PathBuf,
-        source: io::Error,
+        error: io::Error,
     },
     #[error("{what} {path} holds no PEM {kind}")]
     Empty {
@@ -149,14 +151,21 @@ pub fn install(args: &TlsArgs) -> Result<(), TlsError> {
     if TLS.set(tls).is_err() && enabled() != on {
         return Err(TlsError::Twice);
     }
+    if let (true, Some(ca), Some(cert)) = (on, &args.tls_ca, &args.tls_cert) {
+        tracing::info!(
+            "mutual TLS on: every gRPC connection this process makes or takes needs a certificate from the CA in {} (this process's: {})",
+            ca.display(),
+            cert.display()
+        );
+    }
     Ok(())
 }
 
 fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
+    std::fs::read(path).map_err(|error| TlsError::Read {
         what,
         path: path.to_path_buf(),
-        source,
+        error,
     })
 }
 
