@@ -288,6 +288,8 @@ impl admin_server::Admin for AdminSvc {
             n_layer: view.plan.n_layer,
             tokens_out: m.tokens_out.get(),
             active_sequences: m.active_sequences.get(),
+            draft_tokens: m.draft_tokens.get(),
+            draft_accepted: m.draft_accepted.get(),
         }))
     }
 

@@ -41,6 +41,27 @@ pub enum Switch {
 /// chunked, or on a live move or a crash replay (same machine, same
 /// threads). It costs speed (ggml's reference matmul kernels; measured in
 /// docs/benchmarks.md), so it is not the default.
+/// How the coordinator drafts tokens for speculative decoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecType {
+    None,
+    Ngram,
+}
+
+impl CoordinatorConfig {
+    /// The speculative settings of a request that gives none.
+    pub fn speculative(&self) -> omni_engine::speculative::SpecParams {
+        omni_engine::speculative::SpecParams {
+            n_max: match self.spec_type {
+                SpecType::None => 0,
+                SpecType::Ngram => self.draft_max,
+            },
+            n_min: self.draft_min,
+            ngram: self.spec_ngram_size,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Determinism {
     /// The fastest kernels; a request that asks for determinism is refused.
@@ -149,6 +170,24 @@ pub struct CoordinatorConfig {
     /// it with `deterministic: true`). CPU workers only.
     #[arg(long, value_enum, default_value_t = Determinism::Off)]
     pub deterministic: Determinism,
+    /// Speculative decoding for requests that do not say
+    /// (`speculative.n_max` in a request overrides it): none, or ngram
+    /// (prompt lookup: the tokens that followed the sequence's last
+    /// n-gram earlier in its prompt or output are verified in one step;
+    /// the same tokens come out, faster where the output repeats its
+    /// input, as in code edits).
+    #[arg(long, value_enum, default_value_t = SpecType::None)]
+    pub spec_type: SpecType,
+    /// Most draft tokens one step verifies (llama-server's --draft-max).
+    #[arg(long, default_value_t = 16)]
+    pub draft_max: usize,
+    /// A shorter draft is not verified (llama-server's --draft-min).
+    #[arg(long, default_value_t = 0)]
+    pub draft_min: usize,
+    /// The longest n-gram prompt lookup looks for (it falls back to
+    /// shorter ones, down to 2).
+    #[arg(long, default_value_t = omni_engine::speculative::DEFAULT_NGRAM)]
+    pub spec_ngram_size: usize,
     /// Memory left unplanned on every worker (fraction).
     #[arg(long, default_value_t = 0.10)]
     pub headroom: f64,

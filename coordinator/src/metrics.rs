@@ -91,6 +91,9 @@ pub struct Metrics {
     pub invariant_steps: Counter<u64, AtomicU64>,
     pub tokens_in: Counter<u64, AtomicU64>,
     pub tokens_out: Counter<u64, AtomicU64>,
+    /// Speculative decoding: draft tokens sent, and those the model took.
+    pub draft_tokens: Counter<u64, AtomicU64>,
+    pub draft_accepted: Counter<u64, AtomicU64>,
     pub queue_depth: Gauge<i64>,
     pub active_sequences: Gauge<i64>,
     pub step_latency_us: Gauge<i64>,
@@ -173,6 +176,17 @@ impl Metrics {
             tokens_in.clone(),
         );
         r.register("tokens_out", "Tokens sampled", tokens_out.clone());
+        let (draft_tokens, draft_accepted) = (Counter::default(), Counter::default());
+        r.register(
+            "draft_tokens",
+            "Speculative decoding: draft tokens sent to be verified",
+            draft_tokens.clone(),
+        );
+        r.register(
+            "draft_accepted_tokens",
+            "Speculative decoding: draft tokens the model took",
+            draft_accepted.clone(),
+        );
         r.register(
             "queue_depth",
             "Requests waiting for a sequence slot",
@@ -226,6 +240,8 @@ impl Metrics {
             invariant_steps,
             tokens_in,
             tokens_out,
+            draft_tokens,
+            draft_accepted,
             queue_depth,
             active_sequences,
             step_latency_us,

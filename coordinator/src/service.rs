@@ -273,6 +273,13 @@ impl inference_server::Inference for InferenceSvc {
             }
             crate::Determinism::Off => false,
         };
+        // The coordinator's speculative settings, as far as the request
+        // does not give its own (n_max 0 turns it off).
+        let mut spec = shared.cfg.speculative();
+        if let Some(sp) = &r.speculative {
+            spec.n_max = sp.n_max.map_or(spec.n_max, |n| n as usize);
+            spec.n_min = sp.n_min.map_or(spec.n_min, |n| n as usize);
+        }
         let id = shared.next_seq.fetch_add(1, Ordering::Relaxed);
         let request_id = if r.request_id.is_empty() {
             format!("req-{id}")
@@ -372,6 +379,7 @@ impl inference_server::Inference for InferenceSvc {
                 cache_prompt: r.cache_prompt.unwrap_or(true),
                 deterministic,
                 resumed,
+                spec,
             })))
             .map_err(|_| Error::NotReady("the scheduler has stopped".into()))?;
         Ok(Response::new(stream))

@@ -20,6 +20,7 @@ pub mod notation;
 pub mod prompt_cuts;
 pub mod range;
 pub mod sampling;
+pub mod speculative;
 pub mod synth;
 pub mod tools;
 pub mod units;

@@ -44,6 +44,12 @@ pub struct BenchMoeArgs {
     /// `--expert-overlap` off and on: the aggregate decode rate of each.
     #[arg(long)]
     pub overlap: bool,
+    /// Also time, with the experts on the expert worker, one step of each
+    /// of these token counts beside a one-token step: what verifying a
+    /// speculative draft costs (a step of k tokens verifies k - 1 drafts;
+    /// timed as a k-token prompt, so its logits are one row's, not k).
+    #[arg(long, value_delimiter = ',')]
+    pub verify: Vec<usize>,
     #[arg(long)]
     pub json: bool,
 }
@@ -56,6 +62,10 @@ struct Row {
     prefill_tok_s: Option<f64>,
     /// Per decode token, ms (the expert worker's row only).
     breakdown: Option<Breakdown>,
+    /// `--verify`: (tokens in the step, its time in ms), a one-token step
+    /// first (the expert worker's row only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    steps: Vec<(usize, f64)>,
 }
 
 #[derive(Default, serde::Serialize, Clone, Copy)]
@@ -148,11 +158,25 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
                     prefill.push(a.pp as f64 / t);
                 }
             }
+            let mut steps = Vec::new();
+            if cpu_workers > 0 && !a.verify.is_empty() {
+                for k in std::iter::once(1).chain(a.verify.iter().copied()) {
+                    let mut ms = Vec::new();
+                    for i in 0..=a.runs.max(3) {
+                        let t = rt.block_on(prefill_seconds(&listen, &ids.take(k)))?;
+                        if i > 0 {
+                            ms.push(t * 1e3);
+                        }
+                    }
+                    steps.push((k, median(&mut ms)));
+                }
+            }
             anyhow::Ok(Row {
                 config,
                 decode_tok_s: median(&mut decode),
                 prefill_tok_s: Some(median(&mut prefill)),
                 breakdown,
+                steps,
             })
         })();
         cluster.stop();
@@ -186,6 +210,7 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
                 decode_tok_s: get(format!("tg{}", a.tg)).unwrap_or(0.0),
                 prefill_tok_s: get(format!("pp{}", a.pp)),
                 breakdown: None,
+                steps: Vec::new(),
             }
         });
     }
@@ -423,6 +448,19 @@ fn report(
             1e3 * b.calls_ms / b.calls_per_token.max(1.0),
             omni_engine::fmt_bytes(b.expert_bytes as u64),
             b.expert_gb_s_core
+        );
+    }
+    for r in rows.iter().filter(|r| !r.steps.is_empty()) {
+        let one = r.steps[0].1.max(1e-9);
+        let each: Vec<String> = r
+            .steps
+            .iter()
+            .map(|&(k, ms)| format!("{k} tokens {ms:.1} ms ({:.2}x)", ms / one))
+            .collect();
+        println!(
+            "{}: one step of k tokens (verifying k - 1 drafts) beside one of 1 token: {}",
+            r.config,
+            each.join(", ")
         );
     }
     if let Some((off, on)) = overlap {

@@ -117,7 +117,7 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
     if let Some(bin) = &a.llama_server {
         eprintln!("bench-serve: llama-server ({})", bin.display());
         let port = free_port()?;
-        let mut server = LlamaServer::start(bin, &path, port, threads, a.streams)?;
+        let mut server = LlamaServer::start(bin, &path, port, threads, a.streams, &[])?;
         let result = (|| {
             let base = format!("http://127.0.0.1:{port}");
             server.wait_ready(&rt, &http, &base)?;
@@ -368,7 +368,7 @@ async fn prefill_rate(
 }
 
 /// A request's JSON answer; an error status is an error.
-async fn answer(req: reqwest::RequestBuilder) -> anyhow::Result<serde_json::Value> {
+pub(crate) async fn answer(req: reqwest::RequestBuilder) -> anyhow::Result<serde_json::Value> {
     let r = req.send().await?;
     let status = r.status();
     let body: serde_json::Value = r.json().await?;
@@ -544,7 +544,7 @@ async fn usage(req: reqwest::RequestBuilder) -> anyhow::Result<usize> {
 }
 
 /// The first model the server lists.
-async fn served_model(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+pub(crate) async fn served_model(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
     let v: serde_json::Value = http
         .get(format!("{base}/v1/models"))
         .send()
@@ -559,7 +559,7 @@ async fn served_model(http: &reqwest::Client, base: &str) -> anyhow::Result<Stri
 
 /// Polls `url` until it answers 2xx, at most `timeout`; `alive` is asked
 /// between tries (a server that exited fails at once, with how it ended).
-fn wait_http(
+pub(crate) fn wait_http(
     rt: &tokio::runtime::Runtime,
     http: &reqwest::Client,
     url: &str,
@@ -588,15 +588,17 @@ fn wait_http(
 }
 
 /// llama.cpp's server as a child process.
-struct LlamaServer(Child);
+pub(crate) struct LlamaServer(Child);
 
 impl LlamaServer {
-    fn start(
+    /// With `extra` flags after the common ones (`--spec-type ...`).
+    pub(crate) fn start(
         bin: &Path,
         model: &Path,
         port: u16,
         threads: usize,
         slots: usize,
+        extra: &[&str],
     ) -> anyhow::Result<Self> {
         let child = Command::new(bin)
             .arg("-m")
@@ -605,6 +607,7 @@ impl LlamaServer {
             .args(["-np", &slots.to_string(), "-t", &threads.to_string()])
             // Its context is shared by the slots: the same per sequence as omni's.
             .args(["-c", &(CTX * slots).to_string()])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -612,7 +615,7 @@ impl LlamaServer {
         Ok(LlamaServer(child))
     }
 
-    fn wait_ready(
+    pub(crate) fn wait_ready(
         &mut self,
         rt: &tokio::runtime::Runtime,
         http: &reqwest::Client,
@@ -629,7 +632,7 @@ impl LlamaServer {
         })
     }
 
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }

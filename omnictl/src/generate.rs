@@ -101,6 +101,10 @@ pub struct GenerateArgs {
     /// request asks for it, which the cluster must allow).
     #[arg(long)]
     pub deterministic: bool,
+    /// With --coordinator: speculative decoding for this request, drafts of
+    /// at most N tokens (0: none; absent: the coordinator's setting).
+    #[arg(long, requires = "coordinator")]
+    pub draft_max: Option<u32>,
 }
 
 /// `-n`: a count of tokens, at least 1 — 0 is refused here as the router

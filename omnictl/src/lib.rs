@@ -10,6 +10,7 @@ mod bench_cluster;
 mod bench_moe;
 mod bench_move;
 mod bench_serve;
+mod bench_spec;
 mod certs;
 mod fetch;
 mod generate;
@@ -76,6 +77,8 @@ pub enum Command {
     BenchMoe(bench_moe::BenchMoeArgs),
     /// Serving speed through the OpenAI API (1 stream, N streams, the seeds' chat benchmark) of 1, 2, 3 stages beside llama-server.
     BenchServe(bench_serve::BenchServeArgs),
+    /// Speculative decoding on code rewrites: omni with and without n-gram drafts beside llama-server's ngram kinds.
+    BenchSpec(bench_spec::BenchSpecArgs),
     /// What a live move of one layer costs (total, pipeline pause) beside a restart.
     BenchMove(bench_move::BenchMoveArgs),
     /// Show how a model would be split across devices, and why (nothing is loaded).
@@ -121,6 +124,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::BenchCluster(args) => bench_cluster::run(args),
         Command::BenchServe(args) => bench_serve::run(args),
+        Command::BenchSpec(args) => bench_spec::run(args),
         Command::BenchMoe(args) => bench_moe::run(args),
         Command::BenchMove(args) => bench_move::run(args),
         Command::Plan(args) => plan::run(&args),

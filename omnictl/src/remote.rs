@@ -5,7 +5,7 @@ use crate::generate::GenerateArgs;
 use anyhow::Context;
 use omni_proto::coordinator::v1::{
     generate_request::Prompt, inference_client::InferenceClient, Chat, ChatMessage, FinishReason,
-    GenerateRequest, InfoReply, InfoRequest, TokenIds,
+    GenerateRequest, InfoReply, InfoRequest, Speculative, TokenIds,
 };
 use omni_proto::worker::v1::Sampling;
 use std::io::Write;
@@ -206,6 +206,10 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
         resumable: false,
         cache_prompt: None,
         deterministic: a.deterministic,
+        speculative: a.draft_max.map(|n| Speculative {
+            n_max: Some(n),
+            n_min: None,
+        }),
     };
     let t0 = Instant::now();
     let mut stream = match c.generate(req).await {
@@ -268,6 +272,8 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
                 "gen_ms": gen_ms,
                 "gen_tok_s": gen_tok_s,
                 "total_ms": total_ms,
+                "draft_n": done.draft_n,
+                "draft_n_accepted": done.draft_n_accepted,
             },
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -277,6 +283,12 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
             "omnictl: prompt {} tokens, first token after {:.0} ms, generated {} tokens at {:.1} tok/s ({finish})",
             done.prompt_tokens, done.time_to_first_token_ms, done.completion_tokens, gen_tok_s
         );
+        if done.draft_n > 0 {
+            eprintln!(
+                "omnictl: drafts: {} of {} tokens taken",
+                done.draft_n_accepted, done.draft_n
+            );
+        }
     }
     Ok(())
 }

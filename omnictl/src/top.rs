@@ -78,8 +78,29 @@ fn frame(now: &Sample, before: Option<&Sample>) -> Frame {
     let earlier: HashMap<&str, &WorkerInfo> = before
         .map(|b| b.reply.workers.iter().map(|w| (w.id.as_str(), w)).collect())
         .unwrap_or_default();
+    // Speculative decoding's acceptance over the interval, or since the
+    // coordinator started when nothing was drafted in it.
+    let interval = before.map_or((0, 0), |b| {
+        (
+            r.draft_tokens.saturating_sub(b.reply.draft_tokens),
+            r.draft_accepted.saturating_sub(b.reply.draft_accepted),
+        )
+    });
+    let ((drafted, accepted), when) = if interval.0 > 0 {
+        (interval, "")
+    } else {
+        ((r.draft_tokens, r.draft_accepted), " since start")
+    };
+    let drafts = if drafted > 0 {
+        format!(
+            " | drafts {:.0}% accepted ({accepted} of {drafted}{when})",
+            100.0 * accepted as f64 / drafted as f64
+        )
+    } else {
+        String::new()
+    };
     let title = format!(
-        "omni: {} | {} layers | {} running | {tok_s} tokens/s out",
+        "omni: {} | {} layers | {} running | {tok_s} tokens/s out{drafts}",
         r.model,
         r.n_layer,
         omni_engine::count(r.active_sequences.max(0) as u64, "sequence")

@@ -7,7 +7,7 @@
 use crate::openai::{
     self, choice_request, from_status, parse_json, sse_data, ApiError, ChatCompletion,
     ChatCompletionRequest, ChatStream, Completion, CompletionRequest, CompletionStream, Generated,
-    ModelList, Usage, SSE_DONE,
+    ModelList, Timings, Usage, SSE_DONE,
 };
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -419,7 +419,9 @@ trait Api: serde::de::DeserializeOwned + Send + 'static {
     /// Chunks sent before any token (the chat role deltas).
     fn opening(st: &Self::Stream, n: u32) -> Vec<String>;
     fn chunks(st: &mut Self::Stream, i: u32, ev: &GenerateEvent) -> Vec<String>;
-    fn usage(st: &Self::Stream, u: Usage) -> Option<String>;
+    /// The chunk after every choice finished, when the client asked for
+    /// usage: it carries llama-server's `timings` too.
+    fn usage(st: &Self::Stream, u: Usage, t: Timings) -> Option<String>;
 }
 
 impl Api for ChatCompletionRequest {
@@ -471,8 +473,8 @@ impl Api for ChatCompletionRequest {
             .map(sse_data)
             .collect()
     }
-    fn usage(st: &ChatStream, u: Usage) -> Option<String> {
-        st.include_usage.then(|| sse_data(&st.usage(u)))
+    fn usage(st: &ChatStream, u: Usage, t: Timings) -> Option<String> {
+        st.include_usage.then(|| sse_data(&st.usage(u, t)))
     }
 }
 
@@ -525,8 +527,8 @@ impl Api for CompletionRequest {
             .map(sse_data)
             .collect()
     }
-    fn usage(st: &CompletionStream, u: Usage) -> Option<String> {
-        st.include_usage.then(|| sse_data(&st.usage(u)))
+    fn usage(st: &CompletionStream, u: Usage, t: Timings) -> Option<String> {
+        st.include_usage.then(|| sse_data(&st.usage(u, t)))
     }
 }
 
@@ -647,7 +649,7 @@ fn stream_events<R: Api>(
             return;
         }
         state.metrics.done(&outputs);
-        if let Some(u) = R::usage(&st, Usage::of(&outputs)) {
+        if let Some(u) = R::usage(&st, Usage::of(&outputs), Timings::of(&outputs)) {
             yield u;
         }
         yield SSE_DONE.to_string();

@@ -13,7 +13,7 @@
 //! them in other steps than the first time, yet every token and every
 //! log-probability comes out bit for bit as in a run without the crash.
 
-use omni_proto::coordinator::v1::GenerateRequest;
+use omni_proto::coordinator::v1::{GenerateRequest, Speculative};
 use omni_tests::{
     greedy, http, http_with_head, same_tokens, start_router, start_streams, Supervised,
 };
@@ -162,6 +162,49 @@ fn streams_survive_kill_9_of_the_first_stage_the_last_stage_and_the_cpu_worker()
     eprintln!(
         "kill -9 mid-stream, 4 streams, identical tokens; longest pause per kill: {}",
         report.join(", ")
+    );
+}
+
+/// Speculative decoding through a crash: the streams verify n-gram drafts
+/// (the tiny model's greedy answers repeat, so drafts are taken) when the
+/// last stage, which verifies them, is killed. The replay verifies each
+/// logged step's taken drafts again (the sampler draws as before) and
+/// sends none of them twice: every stream ends with the tokens and
+/// log-probabilities of the run without drafts and without the crash.
+#[test]
+fn drafting_streams_survive_kill_9_of_the_last_stage_with_the_tokens_of_a_run_without_drafts() {
+    let c = cluster(&[("OMNI_ADMIN_TOKEN", "recovery-test")]);
+    let want = clean_run(&c, requests());
+    let drafting = || -> Vec<GenerateRequest> {
+        requests()
+            .into_iter()
+            .map(|r| GenerateRequest {
+                speculative: Some(Speculative {
+                    n_max: Some(8),
+                    n_min: None,
+                }),
+                ..r
+            })
+            .collect()
+    };
+    // Without a crash first: the same tokens, and drafts were taken.
+    let calm = clean_run(&c, drafting());
+    assert_eq!(calm.ids, want.ids, "drafts changed the tokens");
+    assert!(
+        calm.logprobs == want.logprobs,
+        "drafts changed the log-probabilities"
+    );
+    let (ok, top, err) =
+        omni_tests::omnictl_admin(&c.admin_addr, Some("recovery-test"), &["top", "--once"]);
+    assert!(ok && top.contains("% accepted ("), "{top}{err}");
+    eprintln!("{}", top.lines().next().unwrap_or_default());
+    run_through(&c, drafting(), &want, "kill -9 w1 while drafting", |c| {
+        c.signal("w1", "-9");
+    });
+    let log = c.proc.log_text();
+    assert!(
+        !log.contains("the replay sampled token"),
+        "a replay diverged\n{log}"
     );
 }
 

@@ -49,7 +49,7 @@ use crossbeam_channel::Receiver;
 use omni_engine::sampling::{SamplingParams, StopMatcher};
 use omni_engine::tokenizer::{StreamDecoder, Tokenizer};
 use omni_proto::coordinator::v1::GenerateEvent;
-use omni_proto::worker::v1::SeqStart;
+use omni_proto::worker::v1::{SeqStart, Truncate};
 use omni_transport::{InboxReader, Next, Outbox};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -100,6 +100,9 @@ pub struct NewSeq {
     /// client has them): fed after the prompt, in its prefill, and never
     /// sent again; the sampler's random stream moves past their draws.
     pub resumed: Vec<u32>,
+    /// How it drafts tokens for the last stage to verify (speculative
+    /// decoding; `n_max` 0: it does not).
+    pub spec: omni_engine::speculative::SpecParams,
 }
 
 impl NewSeq {
@@ -197,18 +200,32 @@ struct Seq {
     chain: prefix::Chain,
     /// Reported in `Done` (a recovery can set it back to 0).
     cached_tokens: usize,
+    /// Draft tokens of its step in flight (they hold KV cells until the
+    /// step is back and the ones not taken are truncated away).
+    drafts_in_flight: usize,
+    /// Draft tokens sent and taken, reported in `Done`.
+    draft_n: usize,
+    draft_accepted: usize,
 }
 
 /// One sequence's part of a step: tokens `from..from + n` of its log,
 /// logits wanted for the last one or not, and (once the step came back)
 /// the KV cell each token went into.
-#[derive(Clone, Debug)]
+///
+/// Speculative decoding: a step sends `drafts` after the sequence's tokens;
+/// when it is back, the drafts the last stage took join the log (`n` grows
+/// by them, and `verify` says how many of the entry's last tokens were
+/// drafts: a replay verifies them again, every one of those rows and the
+/// one before wanting logits, so that the sampler draws as it did).
+#[derive(Clone, Debug, Default)]
 struct Entry {
     seq: u64,
     from: usize,
     n: usize,
     logits: bool,
     cells: Vec<i64>,
+    drafts: Vec<u32>,
+    verify: usize,
 }
 
 struct InFlight {
@@ -257,6 +274,9 @@ pub struct Scheduler {
     recover: Option<tokio::sync::mpsc::UnboundedSender<RecoveryNeeded>>,
     /// None when the prefix cache is off.
     prefix: Option<prefix::PrefixCache>,
+    /// Draft tokens the last stage did not take: every stage drops their
+    /// cells before the next step sent.
+    pending_truncate: Vec<Truncate>,
 }
 
 impl Scheduler {
@@ -296,6 +316,7 @@ impl Scheduler {
             pausing: None,
             paused: false,
             control_in_flight: 0,
+            pending_truncate: Vec::new(),
         }
     }
 

@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::error::Error;
-use omni_proto::worker::v1::SlotRequest;
 use omni_proto::worker::v1::Step;
+use omni_proto::worker::v1::{Draft, SlotRequest};
 use omni_transport::Outbox;
 use std::collections::HashMap;
 use std::collections::VecDeque;
@@ -101,6 +101,7 @@ impl Scheduler {
                 .max()
                 .unwrap_or(0);
             s.fed = done;
+            s.drafts_in_flight = 0;
             // The replay's first step carries the start again.
             s.started = done > 0;
             s.recoveries += 1;
@@ -133,8 +134,10 @@ impl Scheduler {
         for (g, log) in self.logs.iter_mut().enumerate() {
             self.replay[g] = std::mem::take(log);
         }
-        // Every stage forgot every sequence: all slots not held are free.
+        // Every stage forgot every sequence: all slots not held are free,
+        // and no cell of a draft is left.
         self.pending_remove.clear();
+        self.pending_truncate.clear();
         let held: Vec<u32> = self.seqs.values().map(|s| s.slot).collect();
         self.free_slots = (0..self.cfg.n_seq as u32)
             .rev()
@@ -210,6 +213,7 @@ impl Scheduler {
                         n,
                         logits: false,
                         cells: cells[from..from + n].to_vec(),
+                        ..Default::default()
                     }]
                 })
                 .collect();
@@ -284,11 +288,20 @@ impl Scheduler {
             .collect();
         for e in &entries {
             let s = &self.seqs[&e.seq];
-            for p in e.from..e.from + e.n {
+            // A step that verified drafts: its last `verify` tokens are
+            // verified again (the sampler draws as it did).
+            let end = e.from + e.n;
+            for p in e.from..end {
                 step.tokens.push(s.tokens[p]);
                 step.positions.push(p as i32);
                 step.seqs.push(s.slot);
-                step.logits.push(e.logits && p + 1 == e.from + e.n);
+                step.logits.push(e.logits && p + 1 + e.verify >= end);
+            }
+            if e.logits && e.verify > 0 {
+                step.drafts.push(Draft {
+                    slot: s.slot,
+                    n: e.verify as u32,
+                });
             }
             placed &= e.cells.len() == e.n;
             step.cells.extend_from_slice(&e.cells);
@@ -328,6 +341,9 @@ impl Scheduler {
         owners: &HashMap<u32, u64>,
         sampled: &[omni_proto::worker::v1::Sampled],
     ) {
+        // A sequence's samples in a replayed step of drafts: one per
+        // verified row, in order.
+        let mut nth: HashMap<u32, usize> = HashMap::new();
         for x in sampled {
             let Some(&id) = owners.get(&x.slot) else {
                 continue;
@@ -338,7 +354,9 @@ impl Scheduler {
             let Some(e) = entries.iter().find(|e| e.seq == id && e.logits) else {
                 continue;
             };
-            let at = e.from + e.n;
+            let j = nth.entry(x.slot).or_default();
+            let at = e.from + e.n - e.verify + *j;
+            *j += 1;
             match s.tokens.get(at) {
                 Some(&t) if t == x.token => {}
                 Some(&t) => {

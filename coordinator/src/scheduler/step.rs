@@ -8,9 +8,9 @@ use omni_proto::coordinator::v1::Done;
 use omni_proto::coordinator::v1::FinishReason;
 use omni_proto::coordinator::v1::GenerateEvent;
 use omni_proto::coordinator::v1::Token;
-use omni_proto::worker::v1::SlotRequest;
 use omni_proto::worker::v1::Step;
 use omni_proto::worker::v1::TopLogprob;
+use omni_proto::worker::v1::{Draft, SlotRequest, Truncate};
 use omni_transport::Frame;
 use prost::Message;
 use std::collections::HashMap;
@@ -87,6 +87,9 @@ impl Scheduler {
                     first_token,
                     recoveries: 0,
                     crashes: 0,
+                    drafts_in_flight: 0,
+                    draft_n: 0,
+                    draft_accepted: 0,
                 },
             );
         }
@@ -129,6 +132,15 @@ impl Scheduler {
         // hold the generating streams up for all of its tokens at once.
         let ids: Vec<u64> = self.order.clone();
         let mut prompt_tokens = 0;
+        // Decode tokens still to place: drafts take only what leaves each
+        // of them its token.
+        let mut decoders = ids
+            .iter()
+            .filter(|id| {
+                let s = &self.seqs[id];
+                s.group == g && s.fed < s.tokens.len() && s.fed >= s.new.prefill_len()
+            })
+            .count();
         for decode_pass in [true, false] {
             let decoded = self.cfg.n_ubatch - budget;
             if !decode_pass && decoded > 0 && self.cfg.prefill_chunk > 0 {
@@ -152,13 +164,48 @@ impl Scheduler {
                     from: s.fed,
                     n: take,
                     logits: s.fed + take == s.tokens.len(),
-                    cells: Vec::new(),
+                    ..Default::default()
                 });
                 for p in s.fed..s.fed + take {
                     step.tokens.push(s.tokens[p]);
                     step.positions.push(p as i32);
                     step.seqs.push(s.slot);
                     step.logits.push(p + 1 == s.tokens.len());
+                }
+                if decode_pass {
+                    decoders -= 1;
+                    // Speculative decoding: a draft after the token, each
+                    // of its rows sampled by the last stage. Room: the
+                    // step's budget left beside the other decode tokens,
+                    // the context, and the tokens max_tokens still allows.
+                    let room = budget
+                        .saturating_sub(take + decoders)
+                        .min(self.cfg.n_ctx.saturating_sub(s.tokens.len()))
+                        .min(
+                            s.new
+                                .max_tokens
+                                .saturating_sub(s.generated)
+                                .saturating_sub(1),
+                        );
+                    let draft = s.new.spec.draft(&s.tokens, room);
+                    if !draft.is_empty() {
+                        let entry = entries.last_mut().expect("pushed above");
+                        for (i, &t) in draft.iter().enumerate() {
+                            step.tokens.push(t);
+                            step.positions.push((s.tokens.len() + i) as i32);
+                            step.seqs.push(s.slot);
+                            step.logits.push(true);
+                        }
+                        step.drafts.push(Draft {
+                            slot: s.slot,
+                            n: draft.len() as u32,
+                        });
+                        budget -= draft.len();
+                        s.drafts_in_flight = draft.len();
+                        s.draft_n += draft.len();
+                        self.metrics.draft_tokens.inc_by(draft.len() as u64);
+                        entry.drafts = draft;
+                    }
                 }
                 if !s.started {
                     s.started = true;
@@ -213,7 +260,11 @@ impl Scheduler {
         let Some(pc) = self.prefix.as_mut() else {
             return;
         };
-        let own: usize = self.seqs.values().map(|s| s.fed - s.prefix).sum();
+        let own: usize = self
+            .seqs
+            .values()
+            .map(|s| s.fed - s.prefix + s.drafts_in_flight)
+            .sum();
         let n_cells = self.cfg.n_ctx * self.cfg.n_seq;
         let used = own + pc.retained_cells();
         if used > n_cells {
@@ -230,6 +281,7 @@ impl Scheduler {
         // Removals ride on whatever step goes first; the slots are free
         // for reuse once it is on its way.
         step.remove = std::mem::take(&mut self.pending_remove);
+        step.truncate = std::mem::take(&mut self.pending_truncate);
         if let Some(pc) = self.prefix.as_mut() {
             (step.retain, step.evict) = pc.take_pending();
         }
@@ -322,7 +374,10 @@ impl Scheduler {
             self.begin_recovery(format!("step {} failed: {}", step.id, step.error));
             return;
         }
-        let f = &inflight.flight;
+        let mut f = inflight.flight;
+        if !f.replay {
+            self.settle_drafts(&mut f.entries, &f.owners, &step.sampled);
+        }
         self.log_step(g, &f.entries, &step.cells, f.replay);
         if f.replay {
             self.check_replayed(&f.entries, &f.owners, &step.sampled);
@@ -336,22 +391,64 @@ impl Scheduler {
         }
     }
 
+    /// A step with drafts came back: the last stage sampled each drafted
+    /// sequence's rows until one disagreed with the draft, so its samples
+    /// are the drafts it took and then its own token. The taken drafts
+    /// join the entry (its tokens are fed: the sequence's `fed` moves past
+    /// them); the cells of the others are truncated away by every stage
+    /// before the next step.
+    fn settle_drafts(
+        &mut self,
+        entries: &mut [Entry],
+        owners: &HashMap<u32, u64>,
+        sampled: &[omni_proto::worker::v1::Sampled],
+    ) {
+        for e in entries.iter_mut().filter(|e| !e.drafts.is_empty()) {
+            let Some((&slot, _)) = owners.iter().find(|(_, &id)| id == e.seq) else {
+                continue;
+            };
+            let samples = sampled.iter().filter(|x| x.slot == slot).count();
+            let k = e.drafts.len();
+            let taken = samples.saturating_sub(1).min(k);
+            self.metrics.draft_accepted.inc_by(taken as u64);
+            e.verify = taken;
+            // A sequence that is gone had its slot removed (every cell).
+            let Some(s) = self.seqs.get_mut(&e.seq) else {
+                continue;
+            };
+            s.drafts_in_flight = 0;
+            s.draft_accepted += taken;
+            s.fed += taken;
+            if taken < k {
+                self.pending_truncate.push(Truncate {
+                    slot,
+                    from: (e.from + e.n + taken) as i32,
+                });
+            }
+        }
+    }
+
     /// Keeps a step that came back in its group's log, with the cells its
     /// tokens went into (in token order, as the first stage reported them).
     /// A step that is not a replay also gives its sequences' cells, and the
-    /// blocks they complete go into the prefix cache.
+    /// blocks they complete go into the prefix cache. Of a step with
+    /// drafts, the ones taken are logged as the sequence's tokens.
     pub(super) fn log_step(&mut self, g: usize, entries: &[Entry], cells: &[i64], replay: bool) {
         let mut at = 0;
         let mut logged = Vec::new();
         for e in entries {
-            let mine = cells.get(at..at + e.n).unwrap_or_default();
-            at += e.n;
+            let sent = e.n + e.drafts.len();
+            let fed = e.n + if e.drafts.is_empty() { 0 } else { e.verify };
+            let mine = cells.get(at..at + fed).unwrap_or_default();
+            at += sent;
             if let Some(s) = self.seqs.get_mut(&e.seq) {
                 logged.push(Entry {
+                    n: fed,
                     cells: mine.to_vec(),
+                    drafts: Vec::new(),
                     ..e.clone()
                 });
-                if !replay && s.cells.len() == e.from && mine.len() == e.n {
+                if !replay && s.cells.len() == e.from && mine.len() == fed {
                     s.cells.extend_from_slice(mine);
                     if let (Some(pc), true) = (self.prefix.as_mut(), s.new.cache_prompt) {
                         pc.register(&mut s.chain, &s.tokens, &s.cells);
@@ -433,6 +530,8 @@ impl Scheduler {
                 time_to_first_token_ms: ttft_ms,
                 total_ms: (now - s.new.arrived).as_secs_f64() * 1e3,
                 cached_tokens: s.cached_tokens as u32,
+                draft_n: s.draft_n as u32,
+                draft_n_accepted: s.draft_accepted as u32,
             });
         }
         let gone = s.new.events.send(Ok(ev)).is_err();

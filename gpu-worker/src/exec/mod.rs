@@ -625,6 +625,10 @@ impl StageRun {
             tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");
         }
         stage.evict_kv(&step.evict).map_err(|e| e.to_string())?;
+        // Draft tokens the last stage did not take in an earlier step.
+        for t in &step.truncate {
+            stage.remove_seq(t.slot, Some(t.from));
+        }
         for s in &step.starts {
             stage
                 .share_kv(s.slot, &s.prefix_cells)
@@ -652,6 +656,7 @@ impl StageRun {
         if n == 0 {
             return Ok(Vec::new());
         }
+        let draft = if head { draft_rows(step)? } else { Vec::new() };
         let batch = Batch {
             tokens: step.tokens.clone(),
             pos: step.positions.clone(),
@@ -698,7 +703,7 @@ impl StageRun {
         let payload = match out {
             StageOutput::Hidden(h) => h.to_bytes(self.dtype),
             StageOutput::Logits(l) => {
-                self.sample(step, &batch, &l);
+                self.sample(step, &batch, &l, &draft);
                 Vec::new()
             }
         };
@@ -755,8 +760,17 @@ impl StageRun {
     }
 
     /// Samples every row whose logits were wanted, after recording the
-    /// step's tokens in each sequence's history.
-    fn sample(&mut self, step: &mut Step, batch: &Batch, logits: &omni_engine::stage::Logits) {
+    /// step's tokens in each sequence's history. A draft's rows
+    /// (`Step.drafts`) are verified in order: each draft token enters the
+    /// history once the row before it sampled that very token, and the
+    /// slot's rows after the first disagreement are not sampled.
+    fn sample(
+        &mut self,
+        step: &mut Step,
+        batch: &Batch,
+        logits: &omni_engine::stage::Logits,
+        draft: &[bool],
+    ) {
         for i in 0..batch.len() {
             let slot = batch.seq[i];
             let s = self.samplers.entry(slot).or_insert_with(|| {
@@ -770,10 +784,16 @@ impl StageRun {
                     constraint: None,
                 }
             });
-            s.push(batch.tokens[i], batch.pos[i] as usize);
+            if !draft[i] {
+                s.push(batch.tokens[i], batch.pos[i] as usize);
+            }
         }
+        let mut rejected: Vec<u32> = Vec::new();
         for (row, &bi) in logits.rows.iter().enumerate() {
             let slot = batch.seq[bi];
+            if rejected.contains(&slot) {
+                continue;
+            }
             let l = logits.row(row);
             let s = self.samplers.get_mut(&slot).expect("inserted above");
             let token = s.sample(l, &mut self.scratch);
@@ -790,6 +810,16 @@ impl StageRun {
             } else {
                 Vec::new()
             };
+            // The next row is this slot's next draft token: taken if it
+            // is what was just sampled, and then its row is sampled too.
+            let next = bi + 1;
+            if next < batch.len() && draft[next] && batch.seq[next] == slot {
+                if batch.tokens[next] == token {
+                    s.push(token, batch.pos[next] as usize);
+                } else {
+                    rejected.push(slot);
+                }
+            }
             step.sampled.push(Sampled {
                 slot,
                 token,
@@ -798,4 +828,40 @@ impl StageRun {
             });
         }
     }
+}
+
+/// Which rows of a step are draft tokens: each drafted slot's last `n`,
+/// each of them and the row before it wanting logits (the coordinator
+/// sends them so; anything else is refused by name).
+fn draft_rows(step: &Step) -> Result<Vec<bool>, String> {
+    let mut rows = vec![false; step.seqs.len()];
+    for d in &step.drafts {
+        let mut left = d.n;
+        for (i, &s) in step.seqs.iter().enumerate().rev() {
+            if left == 0 {
+                break;
+            }
+            if s != d.slot {
+                continue;
+            }
+            let before = i.checked_sub(1).filter(|&b| step.seqs[b] == d.slot);
+            let wanted = step.logits.get(i) == Some(&true)
+                && before.is_some_and(|b| step.logits.get(b) == Some(&true));
+            if !wanted {
+                return Err(format!(
+                    "slot {}'s draft of {} tokens: every draft row and the row before it must want logits",
+                    d.slot, d.n
+                ));
+            }
+            rows[i] = true;
+            left -= 1;
+        }
+        if left > 0 {
+            return Err(format!(
+                "slot {} has a draft of {} tokens but fewer rows in the step",
+                d.slot, d.n
+            ));
+        }
+    }
+    Ok(rows)
 }

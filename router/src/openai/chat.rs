@@ -107,6 +107,8 @@ impl ChatCompletionRequest {
             response_format: self.response_format.as_ref(),
             json_schema: self.json_schema.as_ref(),
             grammar: self.grammar.as_ref(),
+            speculative_n_max: self.speculative_n_max,
+            speculative_n_min: self.speculative_n_min,
         }
     }
 
@@ -307,6 +309,7 @@ impl ChatCompletionRequest {
             request_id: String::new(),
             resume: None,
             resumable: false,
+            speculative: common.speculative()?,
         })
     }
 }

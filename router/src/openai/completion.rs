@@ -56,6 +56,8 @@ impl CompletionRequest {
             response_format: self.response_format.as_ref(),
             json_schema: self.json_schema.as_ref(),
             grammar: self.grammar.as_ref(),
+            speculative_n_max: self.speculative_n_max,
+            speculative_n_min: self.speculative_n_min,
         }
     }
 
@@ -195,6 +197,7 @@ impl CompletionRequest {
             request_id: String::new(),
             resume: None,
             resumable: false,
+            speculative: common.speculative()?,
         })
     }
 }

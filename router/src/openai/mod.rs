@@ -17,6 +17,9 @@
 //!   `repeat_penalty` > 0, `ignore_eos`, `cache_prompt` (false: this prompt neither starts
 //!   from the prefix cache nor leaves blocks in it). Ours: `deterministic` (true: the same
 //!   tokens whatever else runs; see the coordinator's `--deterministic`).
+//! - llama-server's `speculative.n_max` (0..=[`MAX_DRAFT`]; 0 turns speculative decoding
+//!   off for the request) and `speculative.n_min`; responses carry llama-server's
+//!   `timings.draft_n` and `timings.draft_n_accepted` (docs/speculative.md).
 //! - Structured output on both endpoints: `response_format` `text`, `json_object` and
 //!   `json_schema` (strict or not), and llama.cpp's `json_schema` and `grammar` (in
 //!   llguidance's Lark syntax, not GBNF: a GBNF grammar is refused saying so). At most one
@@ -49,7 +52,7 @@ pub use response::{
     chat_logprobs, completion_logprobs, finish_reason, new_id, sse_data, unix_now,
     AssistantMessage, ChatChoice, ChatCompletion, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob,
     Completion, CompletionChoice, CompletionLogprobs, FunctionJson, Generated, ModelCard,
-    ModelList, ToolCallJson, TopLogprobMap, Usage,
+    ModelList, Timings, ToolCallJson, TopLogprobMap, Usage,
 };
 pub use stream::{
     ChatChunkChoice, ChatCompletionChunk, ChatDelta, ChatStream, CompletionChunk, CompletionStream,
@@ -61,6 +64,10 @@ pub const MAX_N: u32 = 16;
 /// llama-server and vLLM take (HumanEval harnesses send 5), bounded so a
 /// request cannot make every decoded piece scan thousands of strings.
 pub const MAX_STOP: usize = 16;
+
+/// Most draft tokens a request may ask a step to verify
+/// (`speculative.n_max`); a step's token budget bounds it further.
+pub const MAX_DRAFT: u32 = 256;
 /// The most alternatives per token for chat `top_logprobs`.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The most alternatives per token for completions `logprobs`.

@@ -5,8 +5,10 @@ use super::error::ApiError;
 use super::grammar::json_schema;
 use super::grammar::lark;
 use super::grammar::response_format;
+use super::MAX_DRAFT;
 use super::MAX_N;
 use super::MAX_STOP;
+use omni_proto::coordinator::v1::Speculative;
 use omni_proto::worker::v1::Grammar;
 use omni_proto::worker::v1::LogitBias;
 use omni_proto::worker::v1::Sampling;
@@ -136,6 +138,12 @@ pub struct ChatCompletionRequest {
     /// Ours: true asks for batch-invariant decoding (the same tokens
     /// whatever else runs), on a cluster started with `--deterministic`.
     pub deterministic: Option<bool>,
+    /// llama-server's speculative decoding settings: most draft tokens a
+    /// step verifies (0: none) and the shortest draft worth verifying.
+    #[serde(rename = "speculative.n_max", default, deserialize_with = "integer")]
+    pub speculative_n_max: Option<i64>,
+    #[serde(rename = "speculative.n_min", default, deserialize_with = "integer")]
+    pub speculative_n_min: Option<i64>,
     /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
@@ -190,6 +198,12 @@ pub struct CompletionRequest {
     /// Ours: true asks for batch-invariant decoding (the same tokens
     /// whatever else runs), on a cluster started with `--deterministic`.
     pub deterministic: Option<bool>,
+    /// llama-server's speculative decoding settings: most draft tokens a
+    /// step verifies (0: none) and the shortest draft worth verifying.
+    #[serde(rename = "speculative.n_max", default, deserialize_with = "integer")]
+    pub speculative_n_max: Option<i64>,
+    #[serde(rename = "speculative.n_min", default, deserialize_with = "integer")]
+    pub speculative_n_min: Option<i64>,
     /// As for chat (llama.cpp's server takes it on completions too).
     pub response_format: Option<Value>,
     /// llama.cpp's extensions: a JSON schema, or a grammar (Lark syntax).
@@ -213,6 +227,8 @@ pub(super) struct Common<'a> {
     pub(super) response_format: Option<&'a Value>,
     pub(super) json_schema: Option<&'a Value>,
     pub(super) grammar: Option<&'a Value>,
+    pub(super) speculative_n_max: Option<i64>,
+    pub(super) speculative_n_min: Option<i64>,
 }
 
 pub(super) fn check_between(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<(), ApiError> {
@@ -361,6 +377,25 @@ impl Common<'_> {
     }
 
     /// Empty stop strings are dropped: they would end every generation at once.
+    /// `speculative.n_max` and `speculative.n_min`, if given.
+    pub(super) fn speculative(&self) -> Result<Option<Speculative>, ApiError> {
+        if self.speculative_n_max.is_none() && self.speculative_n_min.is_none() {
+            return Ok(None);
+        }
+        let check = |param: &str, v: Option<i64>| match v {
+            Some(k) if !(0..=MAX_DRAFT as i64).contains(&k) => Err(ApiError::out_of_range(
+                param,
+                k,
+                format!("between 0 and {MAX_DRAFT}"),
+            )),
+            _ => Ok(v.map(|k| k as u32)),
+        };
+        Ok(Some(Speculative {
+            n_max: check("speculative.n_max", self.speculative_n_max)?,
+            n_min: check("speculative.n_min", self.speculative_n_min)?,
+        }))
+    }
+
     pub(super) fn stop(&self) -> Result<Vec<String>, ApiError> {
         let list = match self.stop {
             None | Some(Value::Null) => return Ok(Vec::new()),

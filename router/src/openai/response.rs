@@ -146,6 +146,50 @@ impl Usage {
     }
 }
 
+/// llama-server's `timings`, with what omni measures: the prompt's tokens
+/// computed (`prompt_n`) and taken from the prefix cache (`cache_n`), the
+/// time to the first token (`prompt_ms`), tokens generated and their time,
+/// and speculative decoding's drafts (`draft_n` sent, `draft_n_accepted`
+/// taken; only when a draft was sent, as llama-server). Of `n` choices:
+/// counts summed, times of the slowest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Timings {
+    pub prompt_n: u32,
+    pub cache_n: u32,
+    pub prompt_ms: f64,
+    pub predicted_n: u32,
+    pub predicted_ms: f64,
+    pub predicted_per_second: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_n: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_n_accepted: Option<u32>,
+}
+
+impl Timings {
+    pub fn of(outputs: &[Generated]) -> Self {
+        let mut t = Timings::default();
+        let (mut drafted, mut accepted) = (0, 0);
+        for d in outputs.iter().filter_map(|g| g.done) {
+            t.prompt_n = d.prompt_tokens.saturating_sub(d.cached_tokens);
+            t.cache_n = d.cached_tokens;
+            t.prompt_ms = t.prompt_ms.max(d.time_to_first_token_ms);
+            t.predicted_n += d.completion_tokens;
+            t.predicted_ms = t.predicted_ms.max(d.total_ms - d.time_to_first_token_ms);
+            drafted += d.draft_n;
+            accepted += d.draft_n_accepted;
+        }
+        if t.predicted_ms > 0.0 {
+            t.predicted_per_second = t.predicted_n as f64 * 1e3 / t.predicted_ms;
+        }
+        if drafted > 0 {
+            t.draft_n = Some(drafted);
+            t.draft_n_accepted = Some(accepted);
+        }
+        t
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChatTopLogprob {
     pub token: String,
@@ -340,6 +384,8 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// llama-server's extension.
+    pub timings: Timings,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub system_fingerprint: Option<String>,
 }
@@ -378,6 +424,7 @@ impl ChatCompletion {
             model: model.to_string(),
             choices,
             usage: Usage::of(outputs),
+            timings: Timings::of(outputs),
             system_fingerprint: None,
         }
     }
@@ -401,6 +448,8 @@ pub struct Completion {
     pub model: String,
     pub choices: Vec<CompletionChoice>,
     pub usage: Usage,
+    /// llama-server's extension.
+    pub timings: Timings,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub system_fingerprint: Option<String>,
 }
@@ -431,6 +480,7 @@ impl Completion {
             model: model.to_string(),
             choices,
             usage: Usage::of(outputs),
+            timings: Timings::of(outputs),
             system_fingerprint: None,
         }
     }

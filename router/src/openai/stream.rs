@@ -7,6 +7,7 @@ use super::response::new_id;
 use super::response::unix_now;
 use super::response::ChatLogprobs;
 use super::response::CompletionChoice;
+use super::response::Timings;
 use super::response::ToolCallJson;
 use super::response::Usage;
 use omni_proto::coordinator::v1::GenerateEvent;
@@ -45,6 +46,9 @@ pub struct ChatCompletionChunk {
     pub choices: Vec<ChatChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: ChunkUsage,
+    /// llama-server's, on the usage chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
 }
 
 /// Builds the chunks of one chat stream, all with the same id. The order: [`Self::role`]
@@ -78,6 +82,7 @@ impl ChatStream {
             model: self.model.clone(),
             choices,
             usage: self.include_usage.then_some(None),
+            timings: None,
         }
     }
 
@@ -124,9 +129,10 @@ impl ChatStream {
     }
 
     /// The chunk after every choice finished, when `include_usage`.
-    pub fn usage(&self, usage: Usage) -> ChatCompletionChunk {
+    pub fn usage(&self, usage: Usage, timings: Timings) -> ChatCompletionChunk {
         let mut c = self.chunk(Vec::new());
         c.usage = Some(Some(usage));
+        c.timings = Some(timings);
         c
     }
 
@@ -174,6 +180,9 @@ pub struct CompletionChunk {
     pub choices: Vec<CompletionChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: ChunkUsage,
+    /// llama-server's, on the usage chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
 }
 
 /// Builds the chunks of one completions stream; keeps each choice's text offset for
@@ -209,6 +218,7 @@ impl CompletionStream {
             model: self.model.clone(),
             choices: choice.into_iter().collect(),
             usage: self.include_usage.then_some(None),
+            timings: None,
         }
     }
 
@@ -244,9 +254,10 @@ impl CompletionStream {
         }))
     }
 
-    pub fn usage(&self, usage: Usage) -> CompletionChunk {
+    pub fn usage(&self, usage: Usage, timings: Timings) -> CompletionChunk {
         let mut c = self.chunk(None);
         c.usage = Some(Some(usage));
+        c.timings = Some(timings);
         c
     }
 

@@ -75,6 +75,8 @@ fn done(reason: FinishReason, prompt: u32, completion: u32) -> Done {
         time_to_first_token_ms: 1.0,
         total_ms: 2.0,
         cached_tokens: 0,
+        draft_n: 0,
+        draft_n_accepted: 0,
     }
 }
 

@@ -76,8 +76,11 @@ fn every_chat_field_reaches_the_generate_request() {
         "min_p": 0.05,
         "repeat_penalty": 1.1,
         "ignore_eos": true,
+        "speculative.n_max": 12,
+        "speculative.n_min": 2,
         // Sent by clients, meaningless here: ignored.
         "store": false,
+        "speculative.p_min": 0.75,
         "metadata": {"k": "v"},
         "parallel_tool_calls": true,
         "service_tier": "auto",
@@ -89,6 +92,8 @@ fn every_chat_field_reaches_the_generate_request() {
     assert!(g.logprobs);
     assert_eq!(g.top_logprobs, 3);
     assert!(g.ignore_eos);
+    let sp = g.speculative.unwrap();
+    assert_eq!((sp.n_max, sp.n_min), (Some(12), Some(2)));
     let s = g.sampling.unwrap();
     assert_eq!(s.temperature, 0.7);
     assert_eq!(s.top_p, 0.9);

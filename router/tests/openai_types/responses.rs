@@ -55,7 +55,12 @@ fn chat_completion_json() {
     let v = json_of(&c);
     assert_eq!(
         keys(&v),
-        ["choices", "created", "id", "model", "object", "usage"]
+        ["choices", "created", "id", "model", "object", "timings", "usage"]
+    );
+    // llama-server's timings: no draft fields without drafts.
+    assert_eq!(
+        v["timings"],
+        json!({"prompt_n": 2, "cache_n": 3, "prompt_ms": 1.0, "predicted_n": 4, "predicted_ms": 1.0, "predicted_per_second": 4000.0})
     );
     assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
     assert_eq!(v["object"], "chat.completion");
@@ -124,7 +129,7 @@ fn completion_json_with_legacy_logprobs() {
     let v = json_of(&c);
     assert_eq!(
         keys(&v),
-        ["choices", "created", "id", "model", "object", "usage"]
+        ["choices", "created", "id", "model", "object", "timings", "usage"]
     );
     assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
     assert_eq!(v["object"], "text_completion");
@@ -195,19 +200,29 @@ fn chat_stream_chunks_with_usage() {
         },
         text_of,
     ));
-    chunks.push(s.usage(Usage::new(2, 2)));
+    let timings = Timings {
+        predicted_n: 2,
+        draft_n: Some(3),
+        draft_n_accepted: Some(1),
+        ..Default::default()
+    };
+    chunks.push(s.usage(Usage::new(2, 2), timings));
     let v: Vec<Value> = chunks.iter().map(json_of).collect();
     assert_eq!(v.len(), 5);
-    for c in &v {
+    for (i, c) in v.iter().enumerate() {
         assert_eq!(c["id"], s.id.as_str());
         assert_eq!(c["object"], "chat.completion.chunk");
         assert_eq!(c["model"], "gemma");
         assert_eq!(c["created"], s.created);
-        assert_eq!(
-            keys(c),
-            ["choices", "created", "id", "model", "object", "usage"]
-        );
+        // The usage chunk carries llama-server's timings too.
+        let mut want = vec!["choices", "created", "id", "model", "object", "usage"];
+        if i == 4 {
+            want.insert(5, "timings");
+        }
+        assert_eq!(keys(c), want);
     }
+    assert_eq!(v[4]["timings"]["draft_n"], 3);
+    assert_eq!(v[4]["timings"]["draft_n_accepted"], 1);
     assert_eq!(
         v[0]["choices"],
         json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])
@@ -292,7 +307,7 @@ fn completion_stream_chunks() {
         },
         text_of,
     ));
-    chunks.push(s.usage(Usage::new(1, 3)));
+    chunks.push(s.usage(Usage::new(1, 3), Timings::default()));
     let v: Vec<Value> = chunks.iter().map(json_of).collect();
     assert_eq!(v.len(), 4);
     for c in &v {
