@@ -184,8 +184,8 @@ pub struct CoordinatorConfig {
     /// A shorter draft is not verified (llama-server's --draft-min).
     #[arg(long, default_value_t = 0)]
     pub draft_min: usize,
-    /// The longest n-gram prompt lookup looks for (it falls back to
-    /// shorter ones, down to 2).
+    /// The fewest tokens a prompt-lookup match must agree on before it
+    /// drafts (its draft is as long as the agreement, up to --draft-max).
     #[arg(long, default_value_t = omni_engine::speculative::DEFAULT_NGRAM)]
     pub spec_ngram_size: usize,
     /// Memory left unplanned on every worker (fraction).

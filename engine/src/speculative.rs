@@ -5,9 +5,12 @@
 //! for earlier in the sequence (its prompt or what it generated), and the
 //! tokens that followed them there are the draft. A model rewriting code it
 //! was given, or quoting its input, takes most of them. It is llama.cpp's
-//! `ngram-simple` with a fall-back to shorter n-grams (as Hugging Face's
-//! prompt lookup): the longest n-gram that matches, from `ngram` tokens
-//! down to 2, at its latest earlier place.
+//! `ngram-simple` with its draft sized by the evidence: the earlier place
+//! whose tokens agree longest with the sequence's end (at least `ngram`),
+//! and as many of the tokens that followed it as the agreement is long (up
+//! to `n_max`). A verbatim copy in progress drafts long, as llama.cpp's
+//! `ngram-mod` does with its 24-token keys; a short coincidence drafts a
+//! few tokens, which cost little when they are wrong.
 //!
 //! Verifying keeps the output exact: the last stage samples each drafted
 //! row as it would have sampled that token alone and takes the draft only
@@ -23,7 +26,7 @@ pub struct SpecParams {
     pub n_max: usize,
     /// A shorter draft is not verified (the step decodes one token).
     pub n_min: usize,
-    /// The longest n-gram looked up.
+    /// The fewest tokens a match must agree on before it drafts.
     pub ngram: usize,
 }
 
@@ -56,28 +59,48 @@ impl SpecParams {
     }
 }
 
-/// The n-gram looked up by default: long enough that a match means the
-/// text repeats, short enough to find one after a one-token edit.
+/// The shortest match drafted from, by default: long enough that a match
+/// means the text repeats, short enough to find one after a one-token edit.
 pub const DEFAULT_NGRAM: usize = 3;
 
-/// Up to `n_max` tokens that followed the latest earlier occurrence of the
-/// longest suffix of `tokens` of at most `ngram` (and at least 2) tokens.
+/// How far back a match is measured (and so the longest draft it earns).
+const MAX_MATCH: usize = 64;
+
+/// Prompt lookup: the place earlier in `tokens` whose preceding tokens
+/// agree longest with the end of `tokens` (the latest such place on a tie;
+/// at least `ngram` tokens of agreement), and what followed it there. The
+/// draft is as long as the agreement (at most `n_max`): a long verbatim run
+/// (code being copied) earns a long draft, a short coincidence a short one,
+/// so a wrong guess costs few rows.
 pub fn ngram_draft(tokens: &[u32], ngram: usize, n_max: usize) -> Vec<u32> {
     let len = tokens.len();
-    for n in (2..=ngram).rev() {
-        if len <= n {
+    let ngram = ngram.max(1);
+    if len <= ngram || n_max == 0 {
+        return Vec::new();
+    }
+    let last = tokens[len - 1];
+    let (mut best, mut best_len) = (0, 0);
+    for j in (0..len - 1).rev() {
+        if tokens[j] != last {
             continue;
         }
-        let pattern = &tokens[len - n..];
-        // Latest first; the suffix itself (at len - n) is not a match.
-        let found = (0..len - n).rev().find(|&j| &tokens[j..j + n] == pattern);
-        if let Some(j) = found {
-            let from = j + n;
-            let to = (from + n_max).min(len);
-            return tokens[from..to].to_vec();
+        let mut l = 1;
+        while l < MAX_MATCH && l <= j && tokens[j - l] == tokens[len - 1 - l] {
+            l += 1;
+        }
+        if l > best_len {
+            (best, best_len) = (j, l);
+            if l == MAX_MATCH {
+                break;
+            }
         }
     }
-    Vec::new()
+    if best_len < ngram {
+        return Vec::new();
+    }
+    let from = best + 1;
+    let to = (from + n_max.min(best_len)).min(len);
+    tokens[from..to].to_vec()
 }
 
 #[cfg(test)]
@@ -85,16 +108,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn drafts_what_followed_the_latest_match() {
-        // "a b c d e ... a b" -> "c d e"
-        let t = [1, 2, 3, 4, 5, 9, 9, 1, 2];
-        assert_eq!(ngram_draft(&t, 3, 3), vec![3, 4, 5]);
-        // The latest earlier place wins.
+    fn drafts_what_followed_the_longest_match_as_long_as_it() {
+        // "... 1 2 3 | 4 5 6 7" and the sequence ends "1 2 3": three tokens
+        // of agreement earn a draft of three.
+        let t = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3];
+        assert_eq!(ngram_draft(&t, 3, 16), vec![4, 5, 6]);
+        // Of two places, the one that agrees longer wins, even if older.
+        let t = [5, 1, 2, 3, 6, 8, 0, 8, 1, 2, 3, 7, 5, 1, 2, 3];
+        assert_eq!(ngram_draft(&t, 2, 16), vec![6, 8, 0, 8]);
+        // On a tie, the latest place.
         let t = [1, 2, 7, 1, 2, 8, 1, 2];
         assert_eq!(ngram_draft(&t, 2, 1), vec![8]);
-        // A longer match is preferred to a later shorter one.
-        let t = [5, 1, 2, 3, 6, 1, 2, 4, 5, 1, 2];
-        assert_eq!(ngram_draft(&t, 3, 2), vec![3, 6]);
+        // n_max bounds a long agreement's draft.
+        let t: Vec<u32> = (0..40).chain(0..30).collect();
+        assert_eq!(ngram_draft(&t, 3, 5), vec![30, 31, 32, 33, 34]);
     }
 
     #[test]
@@ -102,21 +129,24 @@ mod tests {
         assert!(ngram_draft(&[1, 2, 3, 4], 3, 8).is_empty());
         assert!(ngram_draft(&[1], 3, 8).is_empty());
         assert!(ngram_draft(&[], 3, 8).is_empty());
+        // Agreement shorter than ngram: nothing.
+        assert!(ngram_draft(&[4, 1, 2, 5, 1, 2], 3, 8).is_empty());
         // A draft reaches at most the end of the sequence.
         assert_eq!(ngram_draft(&[1, 2, 1, 2], 2, 8), vec![1, 2]);
     }
 
     #[test]
     fn room_and_n_min_bound_the_draft() {
-        let t = [1, 2, 3, 4, 5, 6, 1, 2];
+        let t = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4];
         let p = SpecParams {
             n_max: 16,
             n_min: 0,
             ngram: 3,
         };
-        assert_eq!(p.draft(&t, 2), vec![3, 4]);
+        assert_eq!(p.draft(&t, 2), vec![5, 6]);
+        assert_eq!(p.draft(&t, 16), vec![5, 6, 7, 8]);
         assert!(p.draft(&t, 0).is_empty());
-        let p = SpecParams { n_min: 7, ..p };
+        let p = SpecParams { n_min: 5, ..p };
         assert!(p.draft(&t, 16).is_empty());
         assert!(SpecParams::OFF.draft(&t, 16).is_empty());
     }

@@ -784,7 +784,7 @@ impl StageRun {
                     constraint: None,
                 }
             });
-            if !draft[i] {
+            if draft.get(i) != Some(&true) {
                 s.push(batch.tokens[i], batch.pos[i] as usize);
             }
         }
@@ -813,7 +813,7 @@ impl StageRun {
             // The next row is this slot's next draft token: taken if it
             // is what was just sampled, and then its row is sampled too.
             let next = bi + 1;
-            if next < batch.len() && draft[next] && batch.seq[next] == slot {
+            if draft.get(next) == Some(&true) && batch.seq[next] == slot {
                 if batch.tokens[next] == token {
                     s.push(token, batch.pos[next] as usize);
                 } else {
