@@ -102,16 +102,7 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
         a.stages.iter().all(|&s| s >= 1),
         "--stages takes stage counts of at least 1"
     );
-    let threads = a
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(600))
-        .build()?;
+    let (threads, rt, http) = setup(a.threads, Duration::from_secs(600))?;
     let mut rows = Vec::new();
 
     if let Some(bin) = &a.llama_server {
@@ -183,6 +174,23 @@ pub fn run(a: BenchServeArgs) -> anyhow::Result<()> {
         rows.push(Row { name, ..m });
     }
     print(&a, &path, threads, &rows)
+}
+
+/// What a serving benchmark starts from: threads per process (default:
+/// every core), a runtime, and an HTTP client whose requests may take
+/// `timeout`.
+pub(crate) fn setup(
+    threads: Option<usize>,
+    timeout: Duration,
+) -> anyhow::Result<(usize, tokio::runtime::Runtime, reqwest::Client)> {
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let http = reqwest::Client::builder().timeout(timeout).build()?;
+    Ok((threads, rt, http))
 }
 
 /// One stream, N streams (with the stages' timeline), the chat benchmark,

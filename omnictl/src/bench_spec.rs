@@ -11,7 +11,7 @@
 //! `timings.draft_n_accepted` over `draft_n`.
 
 use crate::bench_cluster::free_port;
-use crate::bench_serve::{answer, served_model, wait_http, LlamaServer};
+use crate::bench_serve::{answer, served_model, setup, wait_http, LlamaServer};
 use crate::up::{LocalCluster, UpArgs};
 use anyhow::Context;
 use clap::Args;
@@ -77,16 +77,7 @@ struct Row {
 pub fn run(a: BenchSpecArgs) -> anyhow::Result<()> {
     let path = crate::resolve_model(&a.model)?;
     anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
-    let threads = a
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(900))
-        .build()?;
+    let (threads, rt, http) = setup(a.threads, Duration::from_secs(900))?;
     let mut rows = Vec::new();
 
     if let Some(bin) = &a.llama_server {

@@ -606,6 +606,15 @@ pub fn sse_completion_with(
     ))
 }
 
+/// A counter or gauge's value in a Prometheus text exposition (0 when it
+/// is not there).
+pub fn metric_value(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
+}
+
 /// One HTTP/1.1 request; the status and the body (chunked bodies decoded).
 pub fn http(
     addr: &str,

@@ -240,12 +240,7 @@ fn a_deterministic_request_beside_others_equals_itself_alone() {
     // did not.
     let (status, body) = omni_tests::http(&metrics, "GET", "/metrics", &[], b"");
     assert_eq!(status, 200);
-    let value = |name: &str| -> u64 {
-        body.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
-    };
+    let value = |name: &str| omni_tests::metric_value(&body, name);
     let (all, invariant) = (
         value("omni_coordinator_steps_total"),
         value("omni_coordinator_invariant_steps_total"),

@@ -232,12 +232,7 @@ fn drafts_give_the_same_answers_bit_for_bit_and_say_how_many_were_taken() {
     // The coordinator counts drafts.
     let (status, body) = http(&metrics, "GET", "/metrics", &[], b"");
     assert_eq!(status, 200);
-    let value = |name: &str| -> u64 {
-        body.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
-    };
+    let value = |name: &str| omni_tests::metric_value(&body, name);
     let drafted = value("omni_coordinator_draft_tokens_total");
     let taken = value("omni_coordinator_draft_accepted_tokens_total");
     assert!(

@@ -832,8 +832,12 @@ impl StageRun {
 
 /// Which rows of a step are draft tokens: each drafted slot's last `n`,
 /// each of them and the row before it wanting logits (the coordinator
-/// sends them so; anything else is refused by name).
+/// sends them so; anything else is refused by name). Empty when the step
+/// has no draft.
 fn draft_rows(step: &Step) -> Result<Vec<bool>, String> {
+    if step.drafts.is_empty() {
+        return Ok(Vec::new());
+    }
     let mut rows = vec![false; step.seqs.len()];
     for d in &step.drafts {
         let mut left = d.n;
