@@ -46,18 +46,35 @@ pub enum Switch {
 pub enum SpecType {
     None,
     Ngram,
+    /// The draft model (`--model-draft`).
+    Draft,
+}
+
+/// How long a prompt-lookup draft is (`--draft-length`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftLength {
+    Tuned,
+    Agreement,
 }
 
 impl CoordinatorConfig {
-    /// The speculative settings of a request that gives none.
+    /// The speculative settings of a request that gives none. With a draft
+    /// model, a request that turns speculation on uses it unless the
+    /// cluster's kind is `ngram`.
     pub fn speculative(&self) -> omni_engine::speculative::SpecParams {
-        omni_engine::speculative::SpecParams {
+        use omni_engine::speculative::{DraftSource, SpecParams};
+        SpecParams {
             n_max: match self.spec_type {
                 SpecType::None => 0,
-                SpecType::Ngram => self.draft_max,
+                SpecType::Ngram | SpecType::Draft => self.draft_max,
             },
             n_min: self.draft_min,
             ngram: self.spec_ngram_size,
+            source: match (self.spec_type, &self.model_draft) {
+                (SpecType::Ngram, _) | (_, None) => DraftSource::Lookup,
+                (_, Some(_)) => DraftSource::Model,
+            },
+            p_min: self.draft_p_min,
         }
     }
 }
@@ -179,7 +196,9 @@ pub struct CoordinatorConfig {
     #[arg(long, value_enum, default_value_t = SpecType::None)]
     pub spec_type: SpecType,
     /// Most draft tokens one step verifies (llama-server's --draft-max).
-    #[arg(long, default_value_t = 16)]
+    /// Prompt lookup sends fewer where this cluster's measured step costs
+    /// and acceptance say a shorter draft brings more tokens per second.
+    #[arg(long, default_value_t = 64)]
     pub draft_max: usize,
     /// A shorter draft is not verified (llama-server's --draft-min).
     #[arg(long, default_value_t = 0)]
@@ -188,6 +207,31 @@ pub struct CoordinatorConfig {
     /// drafts (its draft is as long as the agreement, up to --draft-max).
     #[arg(long, default_value_t = omni_engine::speculative::DEFAULT_NGRAM)]
     pub spec_ngram_size: usize,
+    /// Prompt lookup also looks in the model's recently ended sequences
+    /// (prompts and answers), up to this many tokens (0: only in the
+    /// sequence itself): a request that repeats or revises an earlier
+    /// answer drafts it. Changes no token; a client who can time its own
+    /// requests may tell whether text appeared recently (as with the
+    /// prefix cache).
+    #[arg(long, default_value_t = 65536)]
+    pub spec_recent_tokens: usize,
+    /// How long a prompt-lookup draft is: tuned (the length that brings
+    /// the most tokens per second by this cluster's measured step costs
+    /// and acceptance; none where rows cost what a step does, as in
+    /// deterministic mode) or agreement (as many tokens as the match
+    /// agrees on, up to --draft-max, whatever they cost).
+    #[arg(long, value_enum, default_value_t = DraftLength::Tuned)]
+    pub draft_length: DraftLength,
+    /// A draft model for speculative decoding (llama-server's -md): a
+    /// small GGUF with the model's vocabulary, loaded whole by the worker
+    /// that runs the last stage. Requests that turn speculation on
+    /// (`--spec-type draft`, or `speculative.n_max`) draft with it.
+    #[arg(long)]
+    pub model_draft: Option<PathBuf>,
+    /// A draft model's guesses stop at one it gives less probability
+    /// (llama-server's --draft-p-min).
+    #[arg(long, default_value_t = omni_engine::speculative::DEFAULT_P_MIN)]
+    pub draft_p_min: f32,
     /// Memory left unplanned on every worker (fraction).
     #[arg(long, default_value_t = 0.10)]
     pub headroom: f64,

@@ -279,6 +279,7 @@ impl inference_server::Inference for InferenceSvc {
         if let Some(sp) = &r.speculative {
             spec.n_max = sp.n_max.map_or(spec.n_max, |n| n as usize);
             spec.n_min = sp.n_min.map_or(spec.n_min, |n| n as usize);
+            spec.p_min = sp.p_min.unwrap_or(spec.p_min);
         }
         let id = shared.next_seq.fetch_add(1, Ordering::Relaxed);
         let request_id = if r.request_id.is_empty() {

@@ -492,6 +492,23 @@ pub(crate) fn open_model(
             cfg.seqs
         );
     }
+    match &cfg.model_draft {
+        Some(d) => {
+            let draft =
+                ModelFile::open(d).with_context(|| format!("cannot draft with {}", d.display()))?;
+            omni_engine::speculative::draft::check_vocab(&model, &draft)?;
+            tracing::info!(
+                "draft model {} ({}, {} layers) drafts for requests that turn speculation on",
+                d.display(),
+                draft.hparams.arch.name(),
+                draft.hparams.n_layer
+            );
+        }
+        None if cfg.spec_type == crate::SpecType::Draft => {
+            anyhow::bail!("--spec-type draft needs a draft model (--model-draft)")
+        }
+        None => {}
+    }
     Ok((model, tokenizer, template))
 }
 
@@ -631,6 +648,8 @@ pub(crate) fn scheduler_config(
         max_queue: cfg.max_queue,
         prefix_cache: (cfg.prefix_cache == crate::Switch::On)
             .then(|| cfg.prefix_cache_size.unwrap_or(cfg.ctx * cfg.seqs)),
+        spec_recent: cfg.spec_recent_tokens,
+        spec_tuned: cfg.draft_length == crate::DraftLength::Tuned,
     }
 }
 
@@ -664,6 +683,11 @@ fn load_request(cfg: &CoordinatorConfig) -> LoadRequest {
         f16_hidden: cfg.f16_hidden,
         gpu_experts: cfg.gpu_experts,
         deterministic: cfg.deterministic != crate::Determinism::Off,
+        draft_model_path: cfg
+            .model_draft
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
         ..Default::default()
     }
 }

@@ -158,6 +158,11 @@ struct State {
     loaded: Option<(Arc<ModelFile>, StageConfig)>,
     /// The standby stage a Prepare loaded, waiting for its Switch.
     prepared: Option<Stage>,
+    /// The draft model loaded beside a prepared stage that takes the head
+    /// from another worker.
+    prepared_drafter: Option<omni_engine::speculative::draft::DraftModel>,
+    /// The draft model the Load named (the worker with the head loads it).
+    draft_model: String,
     /// A switch is pending (until Finish).
     move_pending: bool,
     /// Bytes of this worker's inbox ring, and how many rings it made.
@@ -271,6 +276,8 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<()> {
             expert_ring: 0,
             loaded: None,
             prepared: None,
+            prepared_drafter: None,
+            draft_model: String::new(),
             move_pending: false,
             ring_bytes: 0,
             rings: 0,
@@ -702,6 +709,12 @@ impl Worker {
                 fallback_ops.join(", ")
             );
         }
+        // The draft model beside the head (speculative decoding).
+        let drafter = if req.head {
+            self.load_drafter(&req.draft_model_path, stage.model(), &cfg)?
+        } else {
+            None
+        };
         // Room for a few full micro-batches of f32 hidden state in flight.
         let frame = 64 * 1024 + cfg.n_ubatch * n_embd * 4;
         let mut inbox = self.inbox.lock().unwrap();
@@ -728,10 +741,12 @@ impl Worker {
                 k: req.gpu_experts as usize,
                 every: self.cfg.expert_reselect_steps,
             },
+            drafter,
             self.stats.clone(),
         );
         let mut st = self.state.lock().unwrap();
         st.exec = Some(Arc::new(exec));
+        st.draft_model = req.draft_model_path.clone();
         st.held = Some(LoadRequest { fence: 0, ..req });
         st.loads += 1;
         st.loaded = Some((model_arc, cfg.clone()));
@@ -762,6 +777,37 @@ impl Worker {
         };
         st.held_reply = Some(reply.clone());
         Ok(reply)
+    }
+
+    /// The draft model at `path` (empty: none), for the stage of `model`
+    /// loaded with `cfg`.
+    fn load_drafter(
+        &self,
+        path: &str,
+        model: &ModelFile,
+        cfg: &StageConfig,
+    ) -> Result<Option<omni_engine::speculative::draft::DraftModel>, Status> {
+        if path.is_empty() {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let d = omni_engine::speculative::draft::DraftModel::load(
+            std::path::Path::new(path),
+            model,
+            cfg.clone(),
+        )
+        .map_err(|e| {
+            Status::from(WorkerError::refused(format!(
+                "worker {}: draft model {path}: {e}",
+                self.id
+            )))
+        })?;
+        tracing::info!(
+            "loaded draft model {path} ({}) in {:.2}s",
+            omni_engine::fmt_bytes(d.held_bytes()),
+            t.elapsed().as_secs_f64()
+        );
+        Ok(Some(d))
     }
 
     /// A Load of exactly the stage this worker runs (but for the fence):

@@ -112,6 +112,11 @@ impl Worker {
             ConstCounter::new(get(&calls.compute_us) as f64 / 1e6),
         );
         r.register(
+            "draft_seconds",
+            "Time the draft model spent guessing tokens after the last stage's samples (--model-draft)",
+            ConstCounter::new(get(&s.draft_us) as f64 / 1e6),
+        );
+        r.register(
             "overlapped_steps",
             "Steps run as two micro-batch groups beside the expert workers (--expert-overlap)",
             ConstCounter::new(get(&s.overlapped_steps)),

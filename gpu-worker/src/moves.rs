@@ -22,7 +22,7 @@ impl Worker {
             layers: req.layer_start..req.layer_end,
             head: req.head,
         };
-        let (model, cfg) = {
+        let (model, cfg, draft, had_head) = {
             let mut st = self.state.lock().unwrap();
             if st.move_pending {
                 return Err(Status::from(WorkerError::refused(format!(
@@ -32,14 +32,23 @@ impl Worker {
             }
             // A standby stage from an unfinished move is replaced.
             st.prepared = None;
-            st.loaded.clone().ok_or_else(|| {
+            st.prepared_drafter = None;
+            let (model, cfg) = st.loaded.clone().ok_or_else(|| {
                 Status::from(WorkerError::refused(format!(
                     "worker {} has loaded nothing",
                     self.id
                 )))
-            })?
+            })?;
+            let had_head = st.range.as_ref().is_some_and(|r| r.head);
+            (model, cfg, st.draft_model.clone(), had_head)
         };
         tracing::info!("preparing {range} beside the running stage");
+        // A worker taking the head from another loads the draft model too.
+        let drafter = if range.head && !had_head {
+            self.load_drafter(&draft, &model, &cfg)?
+        } else {
+            None
+        };
         let stage = Stage::load_offloaded(model, range.clone(), cfg, &req.offloaded)
             .map_err(|e| Status::from(WorkerError::refused(format!("worker {}: {e}", self.id))))?;
         let reply = PrepareReply {
@@ -49,7 +58,10 @@ impl Worker {
             held_bytes: stage.held_bytes() + self.stats.held_bytes.load(Ordering::Relaxed),
             load_seconds: t.elapsed().as_secs_f64(),
         };
-        self.state.lock().unwrap().prepared = Some(stage);
+        let mut st = self.state.lock().unwrap();
+        st.prepared = Some(stage);
+        st.prepared_drafter = drafter;
+        drop(st);
         tracing::info!("prepared {range} in {:.2}s", reply.load_seconds);
         Ok(reply)
     }
@@ -68,7 +80,7 @@ impl Worker {
             .iter()
             .map(|b| omni_engine::kv::KvLayers::from_bytes(b).map_err(|e| bad(e.to_string())))
             .collect::<Result<Vec<_>, _>>()?;
-        let (exec, new) = {
+        let (exec, new, drafter) = {
             let mut st = self.state.lock().unwrap();
             let exec = st
                 .exec
@@ -76,6 +88,7 @@ impl Worker {
                 .ok_or_else(|| bad("nothing is loaded".into()))?;
             let new = if h.drain {
                 st.prepared = None;
+                st.prepared_drafter = None;
                 None
             } else {
                 let want = LayerRange {
@@ -95,11 +108,12 @@ impl Worker {
                 }
                 Some(p)
             };
-            (exec, new)
+            (exec, new, st.prepared_drafter.take())
         };
         let range = new.as_ref().map(|s| s.range().clone());
         let t = Instant::now();
-        exec.switch(new, h.stage, incoming, seqs).map_err(bad)?;
+        exec.switch(new, h.stage, incoming, seqs, drafter)
+            .map_err(bad)?;
         let took = t.elapsed().as_secs_f64() * 1e3;
         let mut st = self.state.lock().unwrap();
         st.move_pending = true;
@@ -119,6 +133,7 @@ impl Worker {
         let exec = {
             let mut st = self.state.lock().unwrap();
             st.prepared = None;
+            st.prepared_drafter = None;
             st.exec.clone()
         };
         let range = match exec {
@@ -154,6 +169,7 @@ impl Worker {
         let exec = {
             let mut st = self.state.lock().unwrap();
             st.prepared = None;
+            st.prepared_drafter = None;
             st.move_pending = false;
             if let Some(before) = st.pending_held.take() {
                 st.held = Some(before);

@@ -5,9 +5,12 @@
 //! with n-gram drafts (`speculative.n_max` per request, the same cluster),
 //! and llama.cpp's `llama-server` without speculation and with each of its
 //! `--spec-type ngram-*` kinds (when given). Decode speed is each server's
-//! own `timings.predicted_per_second` summed over the prompts (tokens over
-//! time after the first token), the median of `--rounds`; the wall column is
-//! tokens over each request's whole time. omni's acceptance is its
+//! own `timings` summed over the prompts (tokens over time after the first
+//! token); the wall columns are tokens over each request's whole time.
+//! Each server's first round sees every prompt for the first time; later
+//! rounds repeat them (the median one is reported), which a drafter that
+//! remembers earlier answers (llama-server's `ngram-mod` table, omni's
+//! recent sequences) drafts whole. omni's acceptance is its
 //! `timings.draft_n_accepted` over `draft_n`.
 
 use crate::bench_cluster::free_port;
@@ -43,12 +46,17 @@ pub struct BenchSpecArgs {
     pub threads: Option<usize>,
     /// Most draft tokens a step verifies (omni's `speculative.n_max`,
     /// llama-server's `--draft-max`).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 64)]
     pub draft_max: usize,
+    /// A draft model (GGUF path or known name, the model's vocabulary):
+    /// omni and llama-server (`-md`, `--spec-type draft-simple`) draft with
+    /// it too, each a server of its own.
+    #[arg(long)]
+    pub model_draft: Option<String>,
     /// Most tokens of each answer.
     #[arg(long, default_value_t = 256)]
     pub tokens: usize,
-    /// Rounds over the prompts; the median round is reported.
+    /// Rounds over the prompts: the first, and the median of the others.
     #[arg(long, short, default_value_t = 3)]
     pub rounds: usize,
 }
@@ -60,9 +68,15 @@ const PROMPTS: [&str; 3] = [
     "Here is a JavaScript function:\n\n```javascript\nfunction summarize(orders) {\n  const totals = {};\n  for (const order of orders) {\n    const key = order.customer.toLowerCase();\n    if (!totals[key]) {\n      totals[key] = { count: 0, amount: 0 };\n    }\n    totals[key].count += 1;\n    totals[key].amount += order.amount;\n  }\n  return Object.entries(totals)\n    .sort((a, b) => b[1].amount - a[1].amount)\n    .map(([customer, t]) => `${customer}: ${t.count} orders, ${t.amount.toFixed(2)}`);\n}\n```\n\nRename the variable `totals` to `byCustomer` everywhere. Reply with the whole function in a code block.",
 ];
 
-/// One server setting's median round.
+/// One server setting's first round and the median of its repeats.
 struct Row {
     name: String,
+    first: Round,
+    again: Option<Round>,
+}
+
+/// One round over the prompts.
+struct Round {
     /// Decode tokens per second (the servers' own timings).
     decode: f64,
     /// Tokens over the requests' wall time.
@@ -104,6 +118,20 @@ pub fn run(a: BenchSpecArgs) -> anyhow::Result<()> {
                 ));
             }
         }
+        if let Some(d) = &a.model_draft {
+            let draft = crate::resolve_model(d)?;
+            settings.push((
+                "llama-server --spec-type draft-simple (-md)".into(),
+                vec![
+                    "--spec-type".into(),
+                    "draft-simple".into(),
+                    "-md".into(),
+                    draft.display().to_string(),
+                    "--spec-draft-n-max".into(),
+                    a.draft_max.to_string(),
+                ],
+            ));
+        }
         for (name, flags) in settings {
             eprintln!("bench-spec: {name}");
             let port = free_port()?;
@@ -130,7 +158,54 @@ pub fn run(a: BenchSpecArgs) -> anyhow::Result<()> {
         a.stages,
         if a.stages == 1 { "" } else { "s" }
     );
-    eprintln!("bench-spec: {name}");
+    // Drafts first: their first round must not find the prompts' answers
+    // among the recent sequences.
+    let runs = omni(&a, &path, threads, &rt, &http, None, &[a.draft_max, 0])
+        .with_context(|| format!("benchmark '{name}'"))?;
+    let mut runs = runs.into_iter();
+    let (drafted, plain) = (runs.next(), runs.next());
+    let (Some(drafted), Some(plain)) = (drafted, plain) else {
+        anyhow::bail!("benchmark '{name}' measured nothing");
+    };
+    rows.push(Row {
+        name: format!("{name}, no drafts"),
+        ..plain
+    });
+    rows.push(Row {
+        name: format!("{name}, n-gram drafts (n_max {})", a.draft_max),
+        ..drafted
+    });
+    if let Some(d) = &a.model_draft {
+        let draft = crate::resolve_model(d)?;
+        let by_model = omni(&a, &path, threads, &rt, &http, Some(&draft), &[a.draft_max])
+            .with_context(|| format!("benchmark '{name}' with a draft model"))?;
+        for r in by_model {
+            rows.push(Row {
+                name: format!("{name}, draft model (n_max {})", a.draft_max),
+                ..r
+            });
+        }
+    }
+    print(&a, &path, threads, &rows);
+    Ok(())
+}
+
+/// An omni cluster of `a.stages` stages (with `draft` as its draft model),
+/// measured once per `n_max` (the requests' `speculative.n_max`), in order.
+fn omni(
+    a: &BenchSpecArgs,
+    path: &std::path::Path,
+    threads: usize,
+    rt: &tokio::runtime::Runtime,
+    http: &reqwest::Client,
+    draft: Option<&std::path::Path>,
+    n_maxes: &[usize],
+) -> anyhow::Result<Vec<Row>> {
+    eprintln!(
+        "bench-spec: omni {} stages{}",
+        a.stages,
+        draft.map_or(String::new(), |d| format!(", draft model {}", d.display()))
+    );
     let listen = format!("127.0.0.1:{}", free_port()?);
     let port = free_port()?;
     let up = UpArgs {
@@ -138,15 +213,16 @@ pub fn run(a: BenchSpecArgs) -> anyhow::Result<()> {
         ctx: 2048,
         seqs: 1,
         admin_listen: Some(format!("127.0.0.1:{}", free_port()?)),
+        model_draft: draft.map(|d| d.display().to_string()),
         ..UpArgs::bench(&a.model, a.stages, "auto", &listen, threads)
     };
-    let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
+    let mut cluster = LocalCluster::start(&up, path, threads, true)?;
     let result = (|| {
         cluster.wait_ready(&listen, Duration::from_secs(180))?;
         let base = format!("http://127.0.0.1:{port}");
         wait_http(
-            &rt,
-            &http,
+            rt,
+            http,
             &format!("{base}/ready"),
             Duration::from_secs(60),
             || match cluster.exited() {
@@ -156,27 +232,18 @@ pub fn run(a: BenchSpecArgs) -> anyhow::Result<()> {
                 None => Ok(()),
             },
         )?;
-        let model = rt.block_on(served_model(&http, &base))?;
-        let plain = rt.block_on(measure(&http, &base, &model, Some(0), &a))?;
-        let drafted = rt.block_on(measure(&http, &base, &model, Some(a.draft_max), &a))?;
-        anyhow::Ok((plain, drafted))
+        let model = rt.block_on(served_model(http, &base))?;
+        n_maxes
+            .iter()
+            .map(|&n| rt.block_on(measure(http, &base, &model, Some(n), a)))
+            .collect::<anyhow::Result<Vec<Row>>>()
     })();
     cluster.stop();
-    let (plain, drafted) = result.with_context(|| format!("benchmark '{name}'"))?;
-    rows.push(Row {
-        name: format!("{name}, no drafts"),
-        ..plain
-    });
-    rows.push(Row {
-        name: format!("{name}, n-gram drafts (n_max {})", a.draft_max),
-        ..drafted
-    });
-    print(&a, &path, threads, &rows);
-    Ok(())
+    result
 }
 
-/// The median round over the prompts (`n_max`: omni's per-request draft
-/// setting; None: the server's own).
+/// The first round over the prompts and the median of the others (`n_max`:
+/// omni's per-request draft setting; None: the server's own).
 async fn measure(
     http: &reqwest::Client,
     base: &str,
@@ -227,8 +294,7 @@ async fn measure(
                     .to_string(),
             );
         }
-        rounds.push(Row {
-            name: String::new(),
+        rounds.push(Round {
             decode: tokens as f64 / decode_s.max(1e-9),
             wall: tokens as f64 / wall_s.max(1e-9),
             tokens,
@@ -236,60 +302,85 @@ async fn measure(
             texts,
         });
     }
+    let first = rounds.remove(0);
     rounds.sort_by(|x, y| x.decode.total_cmp(&y.decode));
-    Ok(rounds.swap_remove(rounds.len() / 2))
+    let again = (!rounds.is_empty()).then(|| rounds.swap_remove(rounds.len() / 2));
+    Ok(Row {
+        name: String::new(),
+        first,
+        again,
+    })
 }
 
 fn print(a: &BenchSpecArgs, model: &std::path::Path, threads: usize, rows: &[Row]) {
     let omni_plain = rows.iter().find(|r| r.name.ends_with("no drafts"));
-    let best_llama = rows
-        .iter()
-        .filter(|r| r.name.starts_with("llama-server --spec-type"))
-        .max_by(|x, y| x.decode.total_cmp(&y.decode));
+    let best_llama = |f: fn(&Row) -> Option<&Round>| {
+        rows.iter()
+            .filter(|r| r.name.starts_with("llama-server --spec-type"))
+            .filter_map(f)
+            .max_by(|x, y| x.decode.total_cmp(&y.decode))
+    };
     println!(
-        "speculative decoding, code rewrites ({} prompts, up to {} tokens each, greedy, one stream), {} threads per process, median of {} rounds",
+        "speculative decoding, code rewrites ({} prompts, up to {} tokens each, greedy, one stream), {} threads per process; first: every prompt new to the server; again: the median of {} repeats",
         PROMPTS.len(),
         a.tokens,
         threads,
-        a.rounds
+        a.rounds - 1
     );
     println!("model: {}", model.display());
-    println!(
-        "{:<58} {:>9} {:>9} {:>7} {:>12} {:>12} {:>14}",
-        "server", "decode/s", "wall/s", "tokens", "vs omni", "vs llama", "drafts taken"
-    );
-    for r in rows {
-        let ratio = |base: Option<&Row>| {
-            base.map_or("-".to_string(), |b| format!("{:.2}x", r.decode / b.decode))
-        };
-        let drafts = match r.drafts {
-            Some((d, t)) if d > 0 => format!("{:.0}% of {d}", 100.0 * t as f64 / d as f64),
-            _ => "-".into(),
-        };
+    let table = |title: &str, pick: fn(&Row) -> Option<&Round>| {
+        let best = best_llama(pick);
+        println!("{title}");
         println!(
-            "{:<58} {:>9.1} {:>9.1} {:>7} {:>12} {:>12} {:>14}",
-            r.name,
-            r.decode,
-            r.wall,
-            r.tokens,
-            ratio(omni_plain),
-            ratio(best_llama),
-            drafts
+            "{:<58} {:>9} {:>9} {:>7} {:>10} {:>11} {:>14}",
+            "server", "decode/s", "wall/s", "tokens", "vs omni", "vs llama's", "drafts taken"
         );
+        for r in rows {
+            let Some(x) = pick(r) else { continue };
+            let ratio = |base: Option<&Round>| {
+                base.map_or("-".to_string(), |b| format!("{:.2}x", x.decode / b.decode))
+            };
+            let drafts = match x.drafts {
+                Some((d, t)) if d > 0 => format!("{:.0}% of {d}", 100.0 * t as f64 / d as f64),
+                _ => "-".into(),
+            };
+            println!(
+                "{:<58} {:>9.1} {:>9.1} {:>7} {:>10} {:>11} {:>14}",
+                r.name,
+                x.decode,
+                x.wall,
+                x.tokens,
+                ratio(omni_plain.and_then(pick)),
+                ratio(best),
+                drafts
+            );
+        }
+        if let Some(b) = best.and_then(|b| {
+            rows.iter()
+                .find(|r| pick(r).is_some_and(|x| std::ptr::eq(x, b)))
+        }) {
+            println!("(vs llama's: its best n-gram kind here, {})", b.name);
+        }
+    };
+    table("first round:", |r| Some(&r.first));
+    if a.rounds > 1 {
+        table("again:", |r| r.again.as_ref());
     }
-    if let (Some(plain), Some(drafted)) = (omni_plain, rows.last()) {
-        let same = plain
-            .texts
-            .iter()
-            .zip(&drafted.texts)
-            .filter(|(x, y)| x == y)
-            .count();
+    let Some(plain) = omni_plain else { return };
+    for drafted in rows
+        .iter()
+        .filter(|r| r.name.starts_with("omni") && r.first.drafts.is_some_and(|(d, _)| d > 0))
+    {
+        let mut pairs: Vec<(&String, &String)> =
+            plain.first.texts.iter().zip(&drafted.first.texts).collect();
+        if let (Some(x), Some(y)) = (&plain.again, &drafted.again) {
+            pairs.extend(x.texts.iter().zip(&y.texts));
+        }
+        let same = pairs.iter().filter(|(x, y)| x == y).count();
         println!(
-            "omni's answers with drafts equal those without: {same} of {}",
-            plain.texts.len()
+            "{}: answers equal those without drafts: {same} of {}",
+            drafted.name,
+            pairs.len()
         );
-    }
-    if let Some(b) = best_llama {
-        println!("llama-server's best n-gram kind here: {}", b.name);
     }
 }

@@ -208,7 +208,7 @@ async fn generate_async(addr: &str, a: &GenerateArgs) -> anyhow::Result<()> {
         deterministic: a.deterministic,
         speculative: a.draft_max.map(|n| Speculative {
             n_max: Some(n),
-            n_min: None,
+            ..Default::default()
         }),
     };
     let t0 = Instant::now();

@@ -147,6 +147,13 @@ pub struct UpArgs {
     /// the workers inherit).
     #[arg(long)]
     pub cpu_variant: Option<String>,
+    /// A draft model for speculative decoding (GGUF path or known name, with
+    /// the model's vocabulary): the worker with the last stage loads it
+    /// whole, and requests that turn speculation on (`speculative.n_max`,
+    /// or OMNI_COORDINATOR_SPEC_TYPE=draft for all) draft with it. Per
+    /// model: `draft=`.
+    #[arg(long)]
+    pub model_draft: Option<String>,
 }
 
 /// Locates a sibling binary (the build puts all of omni's in one directory).
@@ -208,6 +215,7 @@ impl UpArgs {
             gpu_experts: None,
             deterministic: None,
             cpu_memory: None,
+            model_draft: None,
             admin_listen: None,
             cpu_variant: None,
         }
@@ -321,6 +329,9 @@ impl LocalCluster {
         }
         if let Some(e) = &a.experts {
             c.args(["--experts", e]);
+        }
+        if let Some(d) = &a.model_draft {
+            c.arg("--model-draft").arg(crate::resolve_model(d)?);
         }
         // The admin token, when set (OMNI_ADMIN_TOKEN, which omnictl's admin
         // verbs read too), reaches the coordinator through its environment
@@ -584,6 +595,7 @@ const MODEL_SETTINGS: &[&str] = &[
     "counts",
     "listen",
     "admin-listen",
+    "draft",
 ];
 
 /// `host:port` with the port moved up by `by`.
@@ -720,6 +732,9 @@ fn up_models(a: &UpArgs) -> anyhow::Result<Vec<UpModel>> {
             omni_planner::parse_size(v).map(|_| v.to_string())
         })? {
             m.cpu_memory = Some(v);
+        }
+        if let Some(v) = spec.take("draft")? {
+            m.model_draft = Some(v);
         }
         if let Some(v) = spec.take_parsed("cpu-workers", str::parse::<usize>)? {
             m.cpu_workers = v;

@@ -173,7 +173,12 @@ fn streams_survive_kill_9_of_the_first_stage_the_last_stage_and_the_cpu_worker()
 /// log-probabilities of the run without drafts and without the crash.
 #[test]
 fn drafting_streams_survive_kill_9_of_the_last_stage_with_the_tokens_of_a_run_without_drafts() {
-    let c = cluster(&[("OMNI_ADMIN_TOKEN", "recovery-test")]);
+    // Drafts as long as their matches (deterministic rows cost what a
+    // step does, so tuned lengths would send few).
+    let c = cluster(&[
+        ("OMNI_ADMIN_TOKEN", "recovery-test"),
+        ("OMNI_COORDINATOR_DRAFT_LENGTH", "agreement"),
+    ]);
     let want = clean_run(&c, requests());
     let drafting = || -> Vec<GenerateRequest> {
         requests()
@@ -181,7 +186,7 @@ fn drafting_streams_survive_kill_9_of_the_last_stage_with_the_tokens_of_a_run_wi
             .map(|r| GenerateRequest {
                 speculative: Some(Speculative {
                     n_max: Some(8),
-                    n_min: None,
+                    ..Default::default()
                 }),
                 ..r
             })

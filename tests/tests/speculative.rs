@@ -17,7 +17,7 @@ use omni_proto::coordinator::v1::{
     generate_request::Prompt, Chat, ChatMessage, Done, GenerateEvent, GenerateRequest, Speculative,
 };
 use omni_proto::worker::v1::{grammar::Kind, Grammar, Sampling};
-use omni_tests::fixtures::{model, QWEN};
+use omni_tests::fixtures::{model, GEMMA, QWEN};
 use omni_tests::{http, start_router, start_streams, Cluster, ClusterSpec, Supervised};
 
 const REWRITE: &str = "Here is a Python function:
@@ -56,7 +56,7 @@ fn drafting(req: &GenerateRequest, n_max: u32) -> GenerateRequest {
     GenerateRequest {
         speculative: Some(Speculative {
             n_max: Some(n_max),
-            n_min: None,
+            ..Default::default()
         }),
         ..req.clone()
     }
@@ -98,15 +98,26 @@ fn answer(events: &[GenerateEvent]) -> (Answer, Done) {
 const TOKEN: &str = "speculative-test-token";
 
 fn cluster(metrics: &str) -> Cluster {
+    cluster_with(metrics, &[])
+}
+
+fn cluster_with(metrics: &str, more: &[&str]) -> Cluster {
     let mut spec = ClusterSpec::new(2, "shm");
     spec.coordinator_args = vec![
         "--deterministic".into(),
         "on".into(),
+        // Every draft as long as its match: deterministic mode computes
+        // each row alone, so the tuned length (by what rows cost) would
+        // send few drafts, and these tests are about what drafts do.
+        "--draft-length".into(),
+        "agreement".into(),
         "--metrics-listen".into(),
         metrics.into(),
         "--admin-token".into(),
         TOKEN.into(),
     ];
+    spec.coordinator_args
+        .extend(more.iter().map(|s| s.to_string()));
     Cluster::start(&model(QWEN), &spec)
 }
 
@@ -319,7 +330,13 @@ fn a_drafting_stream_survives_kill_9_of_the_verifying_stage_with_the_same_answer
             "--transport",
             "shm",
         ],
-        &[("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5")],
+        // Drafts from the prompt only (not from the answer without drafts
+        // just given), so that the crash lands mid-answer.
+        &[
+            ("OMNI_COORDINATOR_HEALTH_INTERVAL", "0.5"),
+            ("OMNI_COORDINATOR_SPEC_RECENT_TOKENS", "0"),
+            ("OMNI_COORDINATOR_DRAFT_LENGTH", "agreement"),
+        ],
     );
     let req = chat(REWRITE, 90);
     let run = |r: GenerateRequest, hurt: bool| {
@@ -350,5 +367,104 @@ fn a_drafting_stream_survives_kill_9_of_the_verifying_stage_with_the_same_answer
     assert!(
         !log.contains("the replay sampled token"),
         "a replay diverged\n{log}"
+    );
+}
+
+/// A request that repeats an earlier answer (an agent rewriting the same
+/// function again) drafts it from the recent sequences: the same tokens,
+/// and nearly every token of the second answer comes from a taken draft,
+/// where the first had to find its own way through the edited line.
+#[test]
+fn an_answer_given_before_is_drafted_from_the_recent_sequences() {
+    let metrics = format!("127.0.0.1:{}", omni_tests::free_port());
+    let c = cluster(&metrics);
+    let req = drafting(&chat(REWRITE, 100), 16);
+    let (first, first_done) = answer(&c.generate(req.clone()).unwrap());
+    let (again, again_done) = answer(&c.generate(req).unwrap());
+    assert_eq!(again, first, "the same request, the same answer");
+    eprintln!("first: {first_done:?}\nagain: {again_done:?}");
+    assert!(
+        again_done.draft_n_accepted > first_done.draft_n_accepted
+            && again_done.draft_n_accepted + 10 >= again_done.completion_tokens,
+        "the second answer is drafted from the first: {first_done:?} then {again_done:?}"
+    );
+}
+
+/// Speculation with a draft model (`--model-draft`, llama-server's -md):
+/// the worker with the last stage loads it whole, guesses after every
+/// sample, and the target verifies: the same answers bit for bit (greedy,
+/// seeded sampling, a grammar), drafts taken even where the answer repeats
+/// nothing of its prompt (where prompt lookup has nothing to offer), and
+/// `p_min` per request. The draft model here is the target itself (the
+/// only model with Qwen's vocabulary in reach): it shows the mechanics,
+/// not the speed.
+#[test]
+fn a_draft_model_drafts_where_lookup_cannot_and_changes_no_token() {
+    let metrics = format!("127.0.0.1:{}", omni_tests::free_port());
+    let qwen = model(QWEN);
+    let c = cluster_with(
+        &metrics,
+        &[
+            "--model-draft",
+            qwen.to_str().unwrap(),
+            "--spec-recent-tokens",
+            "0",
+        ],
+    );
+    let (_, done) = same_with_drafts(&c, &chat(REWRITE, 80), "draft model, rewrite");
+    assert!(done.draft_n_accepted > 0, "{done:?}");
+    // A poem repeats nothing of its prompt: prompt lookup drafts little,
+    // the draft model (which is the target) most of it.
+    let poem = chat("Write a short poem about a lighthouse keeper.", 60);
+    let (_, done) = same_with_drafts(&c, &poem, "draft model, poem");
+    eprintln!("poem: {done:?}");
+    assert!(
+        done.draft_n_accepted * 2 > done.completion_tokens,
+        "a draft model that is the target guesses most of it: {done:?}"
+    );
+    let seeded = GenerateRequest {
+        sampling: Some(Sampling {
+            temperature: 0.9,
+            seed: Some(11),
+            ..Default::default()
+        }),
+        ..poem.clone()
+    };
+    same_with_drafts(&c, &seeded, "draft model, seeded sampling");
+    // p_min 1.0: no guess is that sure, so nothing is drafted.
+    let sure = GenerateRequest {
+        speculative: Some(Speculative {
+            n_max: Some(16),
+            p_min: Some(1.0),
+            ..Default::default()
+        }),
+        ..poem
+    };
+    let (_, done) = answer(&c.generate(sure).unwrap());
+    assert_eq!(done.draft_n, 0, "{done:?}");
+}
+
+/// A draft model whose token ids mean other things (Gemma's vocabulary
+/// beside Qwen's) is refused when the coordinator starts, naming both
+/// files and the difference, before any worker loads anything.
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(omni_tests::target_bin("omni-coordinator"));
+    cmd.arg("--model")
+        .arg(model(QWEN))
+        .arg("--model-draft")
+        .arg(model(GEMMA))
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{}", omni_tests::free_port()),
+        ]);
+    let mut p = omni_tests::Proc::spawn("coordinator", cmd, dir.path());
+    let ok = p.wait_exit(std::time::Duration::from_secs(60));
+    let log = p.log_text();
+    assert_eq!(ok, Some(false), "the coordinator refuses to start\n{log}");
+    assert!(
+        log.contains("cannot draft for") && log.contains(GEMMA) && log.contains(QWEN),
+        "{log}"
     );
 }

@@ -85,6 +85,7 @@ impl Harness {
                 experts: Arc::new(Mutex::new(None)),
             },
             DeviceExperts { k: 0, every: 32 },
+            None,
             Arc::new(ExecStats::default()),
         );
         Harness {
@@ -180,7 +181,7 @@ fn failed_rolled_back_and_committed_switches_keep_every_token() {
     let twin = h.fresh_stage(whole());
     let err = h
         .exec
-        .switch(Some(twin), 0, vec![foreign], Vec::new())
+        .switch(Some(twin), 0, vec![foreign], Vec::new(), None)
         .unwrap_err();
     assert!(err.contains("cell tables differ"), "{err}");
     assert_eq!(h.exec.finish(false).unwrap(), Some(whole()));
@@ -193,18 +194,24 @@ fn failed_rolled_back_and_committed_switches_keep_every_token() {
         head: true,
     });
     h.exec
-        .switch(Some(half), 0, Vec::new(), Vec::new())
+        .switch(Some(half), 0, Vec::new(), Vec::new(), None)
         .unwrap();
     assert_eq!(h.exec.finish(false).unwrap(), Some(whole()));
     got.extend(h.decode(6));
     // 3. A committed switch: the new stage goes on with the copied cache.
     let twin = h.fresh_stage(whole());
     h.exec
-        .switch(Some(twin), 0, Vec::new(), Vec::new())
+        .switch(Some(twin), 0, Vec::new(), Vec::new(), None)
         .unwrap();
     let err = h
         .exec
-        .switch(Some(h.fresh_stage(whole())), 0, Vec::new(), Vec::new())
+        .switch(
+            Some(h.fresh_stage(whole())),
+            0,
+            Vec::new(),
+            Vec::new(),
+            None,
+        )
         .unwrap_err();
     assert!(err.contains("already pending"), "{err}");
     assert_eq!(h.exec.finish(true).unwrap(), Some(whole()));

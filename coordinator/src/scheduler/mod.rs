@@ -170,6 +170,11 @@ pub struct SchedulerConfig {
     /// The prefix cache, if on: the most KV cells it keeps that no running
     /// sequence uses.
     pub prefix_cache: Option<usize>,
+    /// Tokens of ended sequences that prompt lookup also drafts from.
+    pub spec_recent: usize,
+    /// Prompt-lookup drafts sized by measured costs (else as long as
+    /// their agreement).
+    pub spec_tuned: bool,
 }
 
 struct Seq {
@@ -203,6 +208,9 @@ struct Seq {
     /// Draft tokens of its step in flight (they hold KV cells until the
     /// step is back and the ones not taken are truncated away).
     drafts_in_flight: usize,
+    /// The draft model's guesses for its next step (draft-model
+    /// speculation), from the step that sampled its last token.
+    proposed: Vec<u32>,
     /// Draft tokens sent and taken, reported in `Done`.
     draft_n: usize,
     draft_accepted: usize,
@@ -226,6 +234,9 @@ struct Entry {
     cells: Vec<i64>,
     drafts: Vec<u32>,
     verify: usize,
+    /// The agreement a prompt-lookup draft was found with (0: none, or a
+    /// draft model's).
+    agree: usize,
 }
 
 struct InFlight {
@@ -274,6 +285,10 @@ pub struct Scheduler {
     recover: Option<tokio::sync::mpsc::UnboundedSender<RecoveryNeeded>>,
     /// None when the prefix cache is off.
     prefix: Option<prefix::PrefixCache>,
+    /// Ended sequences' tokens, for drafts.
+    recent: omni_engine::speculative::Recent,
+    /// What steps cost and how often drafts are taken: sizes drafts.
+    tuner: omni_engine::speculative::tune::Tuner,
     /// Draft tokens the last stage did not take: every stage drops their
     /// cells before the next step sent.
     pending_truncate: Vec<Truncate>,
@@ -293,6 +308,8 @@ impl Scheduler {
         let next_step = cfg.first_step.max(1);
         Scheduler {
             prefix: cfg.prefix_cache.map(prefix::PrefixCache::new),
+            recent: omni_engine::speculative::Recent::new(cfg.spec_recent),
+            tuner: Default::default(),
             free_slots: (0..cfg.n_seq as u32).rev().collect(),
             groups: (0..n_groups).map(|_| None).collect(),
             logs: (0..n_groups).map(|_| VecDeque::new()).collect(),
@@ -415,6 +432,7 @@ impl Scheduler {
         if let Some(s) = self.seqs.remove(&id) {
             self.order.retain(|&o| o != id);
             self.pending_remove.push(s.slot);
+            self.recent.push(&s.tokens);
             if let Some(pc) = self.prefix.as_mut() {
                 let fed = s.new.cache_prompt.then_some((&s.tokens[..], &s.cells[..]));
                 pc.release(s.chain, fed);

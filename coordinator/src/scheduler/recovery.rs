@@ -102,6 +102,7 @@ impl Scheduler {
                 .unwrap_or(0);
             s.fed = done;
             s.drafts_in_flight = 0;
+            s.proposed.clear();
             // The replay's first step carries the start again.
             s.started = done > 0;
             s.recoveries += 1;

@@ -3,6 +3,7 @@
 
 use super::*;
 use omni_engine::sampling::StopMatcher;
+use omni_engine::speculative::DraftSource;
 use omni_engine::tokenizer::StreamDecoder;
 use omni_proto::coordinator::v1::Done;
 use omni_proto::coordinator::v1::FinishReason;
@@ -10,7 +11,7 @@ use omni_proto::coordinator::v1::GenerateEvent;
 use omni_proto::coordinator::v1::Token;
 use omni_proto::worker::v1::Step;
 use omni_proto::worker::v1::TopLogprob;
-use omni_proto::worker::v1::{Draft, SlotRequest, Truncate};
+use omni_proto::worker::v1::{Draft, Propose, SlotRequest, Truncate};
 use omni_transport::Frame;
 use prost::Message;
 use std::collections::HashMap;
@@ -88,6 +89,7 @@ impl Scheduler {
                     recoveries: 0,
                     crashes: 0,
                     drafts_in_flight: 0,
+                    proposed: Vec::new(),
                     draft_n: 0,
                     draft_accepted: 0,
                 },
@@ -187,7 +189,23 @@ impl Scheduler {
                                 .saturating_sub(s.generated)
                                 .saturating_sub(1),
                         );
-                    let draft = s.new.spec.draft(&s.tokens, room);
+                    let rows = step.tokens.len() - take;
+                    let (draft, agree) = match s.new.spec.source {
+                        DraftSource::Lookup => s.new.spec.draft(
+                            &s.tokens,
+                            Some(&self.recent),
+                            room,
+                            self.cfg.spec_tuned.then_some((&self.tuner, rows)),
+                        ),
+                        DraftSource::Model => {
+                            let mut d = std::mem::take(&mut s.proposed);
+                            d.truncate(room);
+                            if d.len() < s.new.spec.n_min {
+                                d.clear();
+                            }
+                            (d, 0)
+                        }
+                    };
                     if !draft.is_empty() {
                         let entry = entries.last_mut().expect("pushed above");
                         for (i, &t) in draft.iter().enumerate() {
@@ -205,6 +223,25 @@ impl Scheduler {
                         s.draft_n += draft.len();
                         self.metrics.draft_tokens.inc_by(draft.len() as u64);
                         entry.drafts = draft;
+                        entry.agree = agree;
+                    }
+                }
+                // Draft-model speculation: the last stage's draft model
+                // guesses what follows the token this step samples.
+                let e = entries.last().expect("pushed above");
+                if e.logits && s.new.spec.is_on() && s.new.spec.source == DraftSource::Model {
+                    let n_max = s
+                        .new
+                        .spec
+                        .n_max
+                        .min(self.cfg.n_ctx.saturating_sub(s.tokens.len() + 1))
+                        .min(s.new.max_tokens.saturating_sub(s.generated + 2));
+                    if n_max > 0 {
+                        step.propose.push(Propose {
+                            slot: s.slot,
+                            n_max: n_max as u32,
+                            p_min: s.new.spec.p_min,
+                        });
                     }
                 }
                 if !s.started {
@@ -376,12 +413,21 @@ impl Scheduler {
         }
         let mut f = inflight.flight;
         if !f.replay {
+            self.tuner.record_step(
+                step.positions.len(),
+                inflight.sent.elapsed().as_secs_f64() * 1e3,
+            );
             self.settle_drafts(&mut f.entries, &f.owners, &step.sampled);
         }
         self.log_step(g, &f.entries, &step.cells, f.replay);
         if f.replay {
             self.check_replayed(&f.entries, &f.owners, &step.sampled);
             return;
+        }
+        for p in step.proposals {
+            if let Some(s) = f.owners.get(&p.slot).and_then(|id| self.seqs.get_mut(id)) {
+                s.proposed = p.tokens;
+            }
         }
         for sampled in &step.sampled {
             let Some(&id) = f.owners.get(&sampled.slot) else {
@@ -411,6 +457,9 @@ impl Scheduler {
             let k = e.drafts.len();
             let taken = samples.saturating_sub(1).min(k);
             self.metrics.draft_accepted.inc_by(taken as u64);
+            if e.agree > 0 {
+                self.tuner.record_draft(e.agree, k, taken);
+            }
             e.verify = taken;
             // A sequence that is gone had its slot removed (every cell).
             let Some(s) = self.seqs.get_mut(&e.seq) else {

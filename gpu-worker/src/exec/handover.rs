@@ -19,6 +19,9 @@ impl StageRun {
         }
         self.slots.clear();
         self.samplers.clear();
+        if let Some(d) = self.drafter.as_mut() {
+            d.clear();
+        }
         self.fence = fence;
         self.publish_kv();
         tracing::info!(
@@ -202,6 +205,8 @@ impl StageRun {
                 drop(p.stage);
                 if !self.stage.as_ref().is_some_and(|s| s.range().head) {
                     self.samplers.clear();
+                    // The head went elsewhere, and its draft model with it.
+                    self.drafter = None;
                 }
                 if self.stage.is_none() {
                     self.slots.clear();

@@ -9,8 +9,9 @@ use omni_engine::constraint::Constraint;
 use omni_engine::kv::KvLayers;
 use omni_engine::model::ModelFile;
 use omni_engine::sampling::{logprob_of, top_logprobs, Sampler, SamplerState, SamplingParams};
+use omni_engine::speculative::draft::{DraftModel, Want};
 use omni_engine::stage::{Batch, Hidden, HiddenDtype, Stage, StageOutput};
-use omni_proto::worker::v1::{ExpertUse, Sampled, StageTime, Step, TopLogprob};
+use omni_proto::worker::v1::{ExpertUse, Proposal, Sampled, StageTime, Step, TopLogprob};
 use omni_transport::{BellSender, Frame, InboxReader, Next, Outbox};
 use prost::Message;
 use serde::{Deserialize, Serialize};
@@ -55,6 +56,8 @@ pub struct ExecStats {
     pub expert_moves: AtomicU64,
     /// Bytes the stage (and, during a move, the old one) holds.
     pub held_bytes: AtomicU64,
+    /// Time the draft model took guessing, in microseconds.
+    pub draft_us: AtomicU64,
 }
 
 /// What the stage thread is doing.
@@ -340,6 +343,7 @@ impl Exec {
         hidden_dtype: HiddenDtype,
         links: Links,
         device_experts: DeviceExperts,
+        drafter: Option<DraftModel>,
         stats: Arc<ExecStats>,
     ) -> Exec {
         let Links {
@@ -367,6 +371,7 @@ impl Exec {
                     scratch: Vec::new(),
                     experts,
                     device_experts,
+                    drafter,
                     stats,
                     fence: 0,
                 };
@@ -457,14 +462,21 @@ impl Exec {
 
     /// Switches to `new` (None: no stage, the worker is drained) at this
     /// step boundary, keeping the current stage for [`Exec::finish`].
+    /// `drafter`: a draft model loaded for a stage that takes the head.
     pub fn switch(
         &self,
         new: Option<Stage>,
         index: u32,
         incoming: Vec<KvLayers>,
         seqs: Vec<SeqState>,
+        drafter: Option<DraftModel>,
     ) -> Result<(), String> {
-        self.call(move |run| run.switch(new, index, incoming, seqs))?
+        self.call(move |run| {
+            if drafter.is_some() {
+                run.drafter = drafter;
+            }
+            run.switch(new, index, incoming, seqs)
+        })?
     }
 
     /// Commits a switch (drops the old stage) or rolls it back (the old
@@ -513,6 +525,8 @@ struct StageRun {
     scratch: Vec<f32>,
     experts: Arc<Mutex<Option<RemoteExperts>>>,
     device_experts: DeviceExperts,
+    /// The draft model, on the worker that runs the head (`--model-draft`).
+    drafter: Option<DraftModel>,
     stats: Arc<ExecStats>,
     /// Frames of steps with a smaller id are dropped unrun: they belong to
     /// a pipeline that broke before the last recovery.
@@ -622,6 +636,9 @@ impl StageRun {
             self.slots.remove(&slot);
             stage.remove_seq(slot, None);
             self.samplers.remove(&slot);
+            if let Some(d) = self.drafter.as_mut() {
+                d.forget(slot);
+            }
             tracing::debug!(slot, step = step.id, "freed the KV cache of a sequence");
         }
         stage.evict_kv(&step.evict).map_err(|e| e.to_string())?;
@@ -704,6 +721,7 @@ impl StageRun {
             StageOutput::Hidden(h) => h.to_bytes(self.dtype),
             StageOutput::Logits(l) => {
                 self.sample(step, &batch, &l, &draft);
+                self.propose(step)?;
                 Vec::new()
             }
         };
@@ -827,6 +845,57 @@ impl StageRun {
                 top,
             });
         }
+    }
+}
+
+impl StageRun {
+    /// The draft model's guesses for the sequences the step asks them of
+    /// (`Step.propose`), each from its tokens so far and the token just
+    /// sampled. Without a draft model, none (the coordinator then sends
+    /// no draft: the answer is the same, only slower).
+    fn propose(&mut self, step: &mut Step) -> Result<(), String> {
+        let Some(drafter) = self.drafter.as_mut() else {
+            return Ok(());
+        };
+        if step.propose.is_empty() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let mut contexts = Vec::with_capacity(step.propose.len());
+        for p in &step.propose {
+            let last = step.sampled.iter().rev().find(|s| s.slot == p.slot);
+            let (Some(s), Some(last)) = (self.samplers.get(&p.slot), last) else {
+                continue;
+            };
+            let mut tokens = Vec::with_capacity(s.history.len() + 1);
+            tokens.extend_from_slice(&s.history);
+            tokens.push(last.token);
+            contexts.push((p, tokens));
+        }
+        let wants: Vec<Want> = contexts
+            .iter()
+            .map(|(p, tokens)| Want {
+                slot: p.slot,
+                tokens,
+                n_max: p.n_max as usize,
+                p_min: p.p_min,
+            })
+            .collect();
+        let guesses = drafter
+            .propose(&wants)
+            .map_err(|e| format!("the draft model: {e}"))?;
+        for (w, tokens) in wants.iter().zip(guesses) {
+            if !tokens.is_empty() {
+                step.proposals.push(Proposal {
+                    slot: w.slot,
+                    tokens,
+                });
+            }
+        }
+        self.stats
+            .draft_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        Ok(())
     }
 }
 

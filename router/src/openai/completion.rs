@@ -58,6 +58,7 @@ impl CompletionRequest {
             grammar: self.grammar.as_ref(),
             speculative_n_max: self.speculative_n_max,
             speculative_n_min: self.speculative_n_min,
+            speculative_p_min: self.speculative_p_min,
         }
     }
 

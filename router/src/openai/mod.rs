@@ -18,7 +18,8 @@
 //!   from the prefix cache nor leaves blocks in it). Ours: `deterministic` (true: the same
 //!   tokens whatever else runs; see the coordinator's `--deterministic`).
 //! - llama-server's `speculative.n_max` (0..=[`MAX_DRAFT`]; 0 turns speculative decoding
-//!   off for the request) and `speculative.n_min`; responses carry llama-server's
+//!   off for the request), `speculative.n_min` and `speculative.p_min` (0..=1, a draft
+//!   model's confidence floor); responses carry llama-server's
 //!   `timings.draft_n` and `timings.draft_n_accepted` (docs/speculative.md).
 //! - Structured output on both endpoints: `response_format` `text`, `json_object` and
 //!   `json_schema` (strict or not), and llama.cpp's `json_schema` and `grammar` (in

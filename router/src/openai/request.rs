@@ -144,6 +144,9 @@ pub struct ChatCompletionRequest {
     pub speculative_n_max: Option<i64>,
     #[serde(rename = "speculative.n_min", default, deserialize_with = "integer")]
     pub speculative_n_min: Option<i64>,
+    /// With a draft model: its guesses stop at one it gives less probability.
+    #[serde(rename = "speculative.p_min")]
+    pub speculative_p_min: Option<f64>,
     /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
@@ -204,6 +207,9 @@ pub struct CompletionRequest {
     pub speculative_n_max: Option<i64>,
     #[serde(rename = "speculative.n_min", default, deserialize_with = "integer")]
     pub speculative_n_min: Option<i64>,
+    /// With a draft model: its guesses stop at one it gives less probability.
+    #[serde(rename = "speculative.p_min")]
+    pub speculative_p_min: Option<f64>,
     /// As for chat (llama.cpp's server takes it on completions too).
     pub response_format: Option<Value>,
     /// llama.cpp's extensions: a JSON schema, or a grammar (Lark syntax).
@@ -229,6 +235,7 @@ pub(super) struct Common<'a> {
     pub(super) grammar: Option<&'a Value>,
     pub(super) speculative_n_max: Option<i64>,
     pub(super) speculative_n_min: Option<i64>,
+    pub(super) speculative_p_min: Option<f64>,
 }
 
 pub(super) fn check_between(param: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<(), ApiError> {
@@ -377,11 +384,15 @@ impl Common<'_> {
     }
 
     /// Empty stop strings are dropped: they would end every generation at once.
-    /// `speculative.n_max` and `speculative.n_min`, if given.
+    /// `speculative.n_max`, `n_min` and `p_min`, if given.
     pub(super) fn speculative(&self) -> Result<Option<Speculative>, ApiError> {
-        if self.speculative_n_max.is_none() && self.speculative_n_min.is_none() {
+        if self.speculative_n_max.is_none()
+            && self.speculative_n_min.is_none()
+            && self.speculative_p_min.is_none()
+        {
             return Ok(None);
         }
+        check_between("speculative.p_min", self.speculative_p_min, 0.0, 1.0)?;
         let check = |param: &str, v: Option<i64>| match v {
             Some(k) if !(0..=MAX_DRAFT as i64).contains(&k) => Err(ApiError::out_of_range(
                 param,
@@ -393,6 +404,7 @@ impl Common<'_> {
         Ok(Some(Speculative {
             n_max: check("speculative.n_max", self.speculative_n_max)?,
             n_min: check("speculative.n_min", self.speculative_n_min)?,
+            p_min: self.speculative_p_min.map(|p| p as f32),
         }))
     }
 
