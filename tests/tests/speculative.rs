@@ -468,3 +468,53 @@ fn a_draft_model_with_another_vocabulary_is_refused_by_name() {
         "{log}"
     );
 }
+
+/// The draft model goes where the last stage goes: draining the worker
+/// that runs the head (w2) hands the head to another worker, which loads
+/// the draft model beside its new stage, and undraining brings both back.
+/// A poem (little for prompt lookup) keeps being drafted, with the same
+/// answer, before, between and after the moves.
+#[test]
+fn the_draft_model_follows_the_last_stage_through_a_drain_and_back() {
+    let qwen = model(QWEN);
+    let mut spec = ClusterSpec::new(3, "shm");
+    spec.coordinator_args = [
+        "--deterministic",
+        "on",
+        "--draft-length",
+        "agreement",
+        "--spec-recent-tokens",
+        "0",
+        "--admin-token",
+        TOKEN,
+        "--model-draft",
+        qwen.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let c = Cluster::start(&qwen, &spec);
+    let poem = drafting(
+        &chat("Write a short poem about a lighthouse keeper.", 40),
+        16,
+    );
+    let run = |what: &str| {
+        let (a, done) = answer(&c.generate(poem.clone()).unwrap());
+        assert!(
+            done.draft_n_accepted > 0,
+            "{what}: the last stage's worker drafts with the draft model: {done:?}\n{}",
+            c.logs()
+        );
+        a
+    };
+    let before = run("before the moves");
+    for verb in ["drain", "undrain"] {
+        let (ok, out, err) = omni_tests::omnictl_admin(&c.admin_addr, Some(TOKEN), &[verb, "w2"]);
+        assert!(ok, "omnictl {verb} w2: {out}{err}\n{}", c.logs());
+        assert_eq!(run(&format!("after {verb} w2")), before, "after {verb} w2");
+    }
+    assert!(
+        c.logs().matches("loaded draft model").count() >= 3,
+        "w2, then the worker that took the head, then w2 again loaded it\n{}",
+        c.logs()
+    );
+}
