@@ -496,7 +496,7 @@ pub(crate) fn open_model(
         Some(d) => {
             let draft =
                 ModelFile::open(d).with_context(|| format!("cannot draft with {}", d.display()))?;
-            omni_engine::speculative::draft::check_vocab(&model, &draft)?;
+            omni_engine::speculative::check_vocab(&model, &draft)?;
             tracing::info!(
                 "draft model {} ({}, {} layers) drafts for requests that turn speculation on",
                 d.display(),

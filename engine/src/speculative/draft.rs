@@ -16,13 +16,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use super::check_vocab;
 use crate::error::EngineError;
 use crate::model::ModelFile;
 use crate::stage::{Batch, LayerRange, Stage, StageConfig, StageOutput};
-
-/// Most tokens two vocabularies may differ by in size (llama.cpp's
-/// `SPEC_VOCAB_MAX_SIZE_DIFFERENCE`): the ids both have must mean the same.
-const MAX_VOCAB_DIFFERENCE: usize = 128;
 
 /// A draft model loaded whole, with KV cells for `n_seq` slots.
 pub struct DraftModel {
@@ -218,49 +215,6 @@ fn top(logits: &[f32]) -> Guess {
             });
     let sum: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
     (best as u32, 1.0 / sum)
-}
-
-/// Refuses a draft model whose token ids do not mean what the target's do
-/// (by its tokenizer: kind, size within [`MAX_VOCAB_DIFFERENCE`], and the
-/// text of every id both have), naming the difference.
-pub fn check_vocab(target: &ModelFile, draft: &ModelFile) -> Result<(), EngineError> {
-    let bad = |why: String| {
-        EngineError::Config(format!(
-            "draft model {} cannot draft for {}: {why}",
-            draft.path.display(),
-            target.path.display()
-        ))
-    };
-    let kind = |m: &ModelFile| {
-        m.gguf
-            .get_str("tokenizer.ggml.model")
-            .map(str::to_string)
-            .unwrap_or_default()
-    };
-    let (kt, kd) = (kind(target), kind(draft));
-    if kt != kd {
-        return Err(bad(format!("its tokenizer is '{kd}', the target's '{kt}'")));
-    }
-    fn tokens(m: &ModelFile) -> Result<Vec<&str>, String> {
-        m.gguf
-            .get_str_array("tokenizer.ggml.tokens")
-            .map_err(|e| format!("{}: {e}", m.path.display()))
-    }
-    let (tt, td) = (tokens(target).map_err(bad)?, tokens(draft).map_err(bad)?);
-    if tt.len().abs_diff(td.len()) > MAX_VOCAB_DIFFERENCE {
-        return Err(bad(format!(
-            "its vocabulary has {} tokens, the target's {}",
-            td.len(),
-            tt.len()
-        )));
-    }
-    if let Some(i) = tt.iter().zip(&td).position(|(a, b)| a != b) {
-        return Err(bad(format!(
-            "token {i} is {:?} there and {:?} in the target",
-            td[i], tt[i]
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

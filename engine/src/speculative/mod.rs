@@ -19,6 +19,7 @@
 //! p(d), else sample from p without d), and it draws the sampler's random
 //! numbers exactly as decoding without a draft does.
 
+#[cfg(feature = "ggml")]
 pub mod draft;
 pub mod tune;
 
@@ -244,6 +245,56 @@ impl Recent {
     pub fn is_empty(&self) -> bool {
         self.tokens == 0
     }
+}
+
+/// Most tokens two vocabularies may differ by in size (llama.cpp's
+/// `SPEC_VOCAB_MAX_SIZE_DIFFERENCE`): the ids both have must mean the same.
+const MAX_VOCAB_DIFFERENCE: usize = 128;
+
+/// Refuses a draft model whose token ids do not mean what the target's do
+/// (by its tokenizer: kind, size within [`MAX_VOCAB_DIFFERENCE`], and the
+/// text of every id both have), naming the difference.
+pub fn check_vocab(
+    target: &crate::model::ModelFile,
+    draft: &crate::model::ModelFile,
+) -> Result<(), crate::error::EngineError> {
+    let bad = |why: String| {
+        crate::error::EngineError::Config(format!(
+            "draft model {} cannot draft for {}: {why}",
+            draft.path.display(),
+            target.path.display()
+        ))
+    };
+    let kind = |m: &crate::model::ModelFile| {
+        m.gguf
+            .get_str("tokenizer.ggml.model")
+            .map(str::to_string)
+            .unwrap_or_default()
+    };
+    let (kt, kd) = (kind(target), kind(draft));
+    if kt != kd {
+        return Err(bad(format!("its tokenizer is '{kd}', the target's '{kt}'")));
+    }
+    fn tokens(m: &crate::model::ModelFile) -> Result<Vec<&str>, String> {
+        m.gguf
+            .get_str_array("tokenizer.ggml.tokens")
+            .map_err(|e| format!("{}: {e}", m.path.display()))
+    }
+    let (tt, td) = (tokens(target).map_err(bad)?, tokens(draft).map_err(bad)?);
+    if tt.len().abs_diff(td.len()) > MAX_VOCAB_DIFFERENCE {
+        return Err(bad(format!(
+            "its vocabulary has {} tokens, the target's {}",
+            td.len(),
+            tt.len()
+        )));
+    }
+    if let Some(i) = tt.iter().zip(&td).position(|(a, b)| a != b) {
+        return Err(bad(format!(
+            "token {i} is {:?} there and {:?} in the target",
+            td[i], tt[i]
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
