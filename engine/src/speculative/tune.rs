@@ -114,8 +114,8 @@ impl Tuner {
     /// any step was measured.
     pub fn cost(&self, rows: usize) -> Option<f64> {
         let r = rows.max(1) as f64;
-        let known: Vec<&Mean> = self.cost.iter().filter(|m| m.n > 0).collect();
-        let first = *known.first()?;
+        let known = || self.cost.iter().filter(|m| m.n > 0);
+        let first = known().next()?;
         let b = &self.cost[cost_bucket(rows)];
         if b.n > 0 {
             // Within a bucket, the step's cost scales with its rows
@@ -123,8 +123,8 @@ impl Tuner {
             let slope = self.slope_near(b);
             return Some((b.ms + slope * (r - b.rows)).max(b.ms * 0.5));
         }
-        let below = known.iter().rev().find(|m| m.rows <= r);
-        let above = known.iter().find(|m| m.rows > r);
+        let below = known().rfind(|m| m.rows <= r);
+        let above = known().find(|m| m.rows > r);
         Some(match (below, above) {
             (Some(lo), Some(hi)) => {
                 lo.ms + (hi.ms - lo.ms) * (r - lo.rows) / (hi.rows - lo.rows).max(1e-9)
