@@ -4,10 +4,10 @@
 //! own CPU stage.
 //!
 //! `gpu_check [--device cuda:N|vulkan:N] [--steps N] [--threads N]
-//! [--prompts N] [--only SETUP,...] MODEL.gguf...` (`--device cpu`: a dry
+//! [--prompts N] [--only SETUP]... MODEL.gguf...` (`--device cpu`: a dry
 //! run with the GPU's part on the CPU; `--threads`: CPU threads, every core
-//! up to 16 by default; `--prompts`: the first N prompts below; `--only`:
-//! these setups, by the names below): for each file and
+//! up to 16 by default; `--prompts`: the first N prompts below; `--only`,
+//! once per setup: these setups, by the names below): for each file and
 //! prompt (one of them over 100 tokens), the greedy ids of omni with 1 GPU
 //! stage, 2 GPU stages, a CPU stage then a GPU stage, and the CPU alone;
 //! for a MoE file also a GPU stage whose routed experts run on the CPU (the
@@ -317,21 +317,22 @@ fn main() -> anyhow::Result<()> {
             "--steps" => steps = args.next().unwrap_or_default().parse()?,
             "--threads" => threads = args.next().unwrap_or_default().parse()?,
             "--prompts" => n_prompts = args.next().unwrap_or_default().parse()?,
+            // One setup a flag (their names hold commas); repeated for more.
             "--only" => {
-                only = Some(
-                    args.next()
-                        .unwrap_or_default()
-                        .split(',')
-                        .map(str::to_string)
-                        .collect(),
-                )
+                let name = args.next().unwrap_or_default();
+                anyhow::ensure!(
+                    Setup::ALL.iter().any(|s| s.name() == name),
+                    "--only {name:?} names no setup; the setups: {}",
+                    Setup::ALL.map(|s| format!("{:?}", s.name())).join(", ")
+                );
+                only.get_or_insert_with(Vec::new).push(name);
             }
             _ => files.push(std::path::PathBuf::from(a)),
         }
     }
     anyhow::ensure!(
         !files.is_empty(),
-        "usage: gpu_check [--device cuda:N|vulkan:N] [--steps N] [--threads N] [--prompts N] [--only SETUP,...] MODEL.gguf..."
+        "usage: gpu_check [--device cuda:N|vulkan:N] [--steps N] [--threads N] [--prompts N] [--only SETUP]... MODEL.gguf..."
     );
     omni_engine::cpu_backend(None)?;
     match device {

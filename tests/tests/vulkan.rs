@@ -37,9 +37,8 @@ fn synthetic(name: &str) -> PathBuf {
 /// The Vulkan backend must be there: scripts/test builds it (a machine
 /// without it fails here, naming the script, rather than skip the device
 /// path).
-/// One test at a time: lavapipe's heap corruption (see `gpu_check`) comes
-/// far more often on a loaded machine, and a device test beside another
-/// loads this one's two cores.
+/// One test at a time: lavapipe computes on the CPU, and a device test
+/// beside another would share its two cores (and its step timeouts).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -208,12 +207,8 @@ fn an_unknown_vulkan_device_is_named_with_the_devices_there_are() {
 /// two experts per layer kept on the device), each against llama.cpp's run
 /// of the same placement on the same device and against omni's CPU stage.
 ///
-/// One process per file and placement: Mesa 22.3's lavapipe (Debian 12's)
-/// corrupts its own heap after some sequences of work in one process
-/// (glibc aborts in a free on lavapipe's queue thread while llama.cpp waits
-/// on a fence, at about every other run of every placement in one process;
-/// each placement alone ran clean here, yet under CI's load one died twice
-/// running two files), which a real GPU's driver does not.
+/// One process per file and placement, so that a failure names its
+/// placement.
 fn gpu_check(files: &[PathBuf], prompts: usize, steps: usize, setups: &[&str]) {
     for file in files {
         for setup in setups {
@@ -250,42 +245,30 @@ fn gpu_check_one(files: &[PathBuf], prompts: usize, steps: usize, only: &[&str])
         "--steps",
         &steps.to_string(),
     ]);
-    if !only.is_empty() {
-        cmd.args(["--only", &only.join(",")]);
+    for setup in only {
+        cmd.args(["--only", setup]);
     }
     cmd.args(files);
-    let run = |cmd: &mut Command| {
-        let out = cmd
-            .output()
-            .expect("examples/gpu_check runs (cargo build --release --all-targets)");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        eprintln!("{text}");
-        (out, text)
-    };
-    let (mut out, mut text) = run(&mut cmd);
-    // lavapipe's heap corruption (see `gpu_check`) kills the process with
-    // a signal, far less often in a process of one file and placement: up
-    // to twice, that run is made again. A failed check exits with an error,
-    // not a signal, and is never retried.
-    for _ in 0..2 {
-        if out.status.code().is_some() {
-            break;
-        }
-        eprintln!(
-            "gpu_check --only {only:?} died ({}): run again",
-            omni_telemetry::crash::describe(&out.status)
-        );
-        (out, text) = run(&mut cmd);
-    }
+    let out = cmd
+        .output()
+        .expect("examples/gpu_check runs (cargo build --release --all-targets)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
     assert!(
         out.status.success(),
         "gpu_check --only {only:?} failed ({}):\n{text}",
         omni_telemetry::crash::describe(&out.status)
     );
+    for setup in only {
+        assert!(
+            text.contains(&format!("| {setup} |")),
+            "gpu_check ran no {setup:?}:\n{text}"
+        );
+    }
     assert!(
         text.contains("every generation matches llama.cpp's"),
         "{text}"
@@ -303,13 +286,9 @@ fn dense_models_on_vulkan_give_the_cpu_and_llama_cpp_answers() {
     gpu_check(&[model(QWEN)], 1, 12, &["1 GPU stage"]);
 }
 
-// On Debian 12's Mesa 22.3 lavapipe this died of SIGSEGV three runs of
-// three; on Mesa 25 (`OMNI_DEPS_MESA=backports scripts/deps`) it passes, at
-// rest and with both cores loaded, but Mesa 25's first compiles are too slow
-// for CI's budget (docs/vulkan.md). `cargo test --release --test vulkan --
-// --ignored` runs it.
+// Every placement of both synthetic MoE files, experts on the device, on
+// the CPU (the expert worker's stage in process) and two kept on the device.
 #[test]
-#[ignore = "Mesa 22.3's lavapipe crashes in it; it passes on Mesa 25 (OMNI_DEPS_MESA=backports), whose cold compiles CI cannot afford yet (docs/vulkan.md)"]
 fn moe_models_on_vulkan_with_experts_on_the_cpu_give_the_cpu_and_llama_cpp_answers() {
     let _serial = serial();
     gpu_check(
