@@ -10,11 +10,13 @@
 //! small model on a few fast cores: a 17-row step measured at 6x a 1-row
 //! one), only a draft that is nearly certain pays, and then best a long
 //! one. So the length is chosen to maximise the expected tokens per unit
-//! of step time: with `α` the measured chance that a draft token is taken
-//! given the ones before it were (per agreement length, as a copy in
-//! progress agrees long and is taken far more often than a short
-//! coincidence), a draft of k brings `1 + α(1 - α^k)/(1 - α)` tokens in a
-//! step costing `C(rows + 1 + k)`.
+//! of step time: with `h(j)` the measured chance that a draft's j-th token
+//! is taken given the ones before it were (per agreement length, as a copy
+//! in progress agrees long and is taken far more often than a short
+//! coincidence, and per position, as a draft is mostly taken whole or lost
+//! at its first tokens: once a copy's first tokens are right, the rest
+//! nearly always are), a draft of k brings `1 + Σ_{j≤k} Π_{i≤j} h(i)`
+//! tokens in a step costing `C(rows + 1 + k)`.
 //!
 //! Step costs are learnt from the steps' round trips, per power-of-two
 //! bucket of rows; a size not yet measured is estimated from the nearest
@@ -26,13 +28,17 @@
 const COST_BUCKETS: usize = 9;
 /// Agreement buckets: 1-3, 4-7, 8-15, 16-31, 32-63, 64.
 const AGREE_BUCKETS: usize = 6;
+/// Position buckets within a draft: 1, 2, 3-4, 5-8, 9-16, 17-32, 33-64.
+const POS_BUCKETS: usize = 7;
 /// Weight of a new measurement in a bucket's running mean.
 const EWMA: f64 = 0.2;
 /// Beyond the largest measured step, a row is assumed to cost this
 /// fraction of a one-row step (optimistic: a draft that long is then tried
 /// and measured).
 const OPTIMISTIC_ROW: f64 = 0.02;
-/// The prior of every agreement bucket: taken 4 times in 5, worth 10 drafts.
+/// The prior of a draft's first token: taken 4 times in 5, worth 10
+/// drafts. A later position's prior is the estimate of the one before it
+/// (a copy right so far is as likely to go on), worth as much.
 const PRIOR_TAKEN: f64 = 8.0;
 const PRIOR_MISSED: f64 = 2.0;
 /// Evidence is kept to this weight (older outcomes fade).
@@ -49,17 +55,24 @@ struct Mean {
 #[derive(Clone, Debug)]
 pub struct Tuner {
     cost: [Mean; COST_BUCKETS],
-    /// (taken, missed) draft tokens per agreement bucket.
-    taken: [(f64, f64); AGREE_BUCKETS],
+    /// (taken, missed) draft tokens per agreement bucket and position
+    /// bucket, as seen: a token counts where it was reached (its draft's
+    /// tokens before it were taken).
+    taken: [[(f64, f64); POS_BUCKETS]; AGREE_BUCKETS],
 }
 
 impl Default for Tuner {
     fn default() -> Self {
         Tuner {
             cost: [Mean::default(); COST_BUCKETS],
-            taken: [(PRIOR_TAKEN, PRIOR_MISSED); AGREE_BUCKETS],
+            taken: [[(0.0, 0.0); POS_BUCKETS]; AGREE_BUCKETS],
         }
     }
+}
+
+/// The position bucket of a draft's `j`-th token (from 1).
+fn pos_bucket(j: usize) -> usize {
+    ((j.max(1) - 1).checked_ilog2().map_or(0, |l| l as usize + 1)).min(POS_BUCKETS - 1)
 }
 
 fn cost_bucket(rows: usize) -> usize {
@@ -90,24 +103,38 @@ impl Tuner {
     /// A draft of `k` tokens found with an agreement of `agree` had
     /// `taken` of them taken (the one after, if any, was not).
     pub fn record_draft(&mut self, agree: usize, k: usize, taken: usize) {
-        if k == 0 {
-            return;
-        }
-        let (t, m) = &mut self.taken[agree_bucket(agree)];
-        *t += taken as f64;
-        *m += if taken < k { 1.0 } else { 0.0 };
-        let w = *t + *m;
-        if w > MAX_WEIGHT {
-            *t *= MAX_WEIGHT / w;
-            *m *= MAX_WEIGHT / w;
+        let row = &mut self.taken[agree_bucket(agree)];
+        for j in 1..=k.min(taken + 1) {
+            let (t, m) = &mut row[pos_bucket(j)];
+            if j <= taken {
+                *t += 1.0;
+            } else {
+                *m += 1.0;
+            }
+            let w = *t + *m;
+            if w > MAX_WEIGHT {
+                *t *= MAX_WEIGHT / w;
+                *m *= MAX_WEIGHT / w;
+            }
         }
     }
 
-    /// The chance that a draft token found with agreement `agree` is taken
-    /// once the ones before it were.
-    pub fn alpha(&self, agree: usize) -> f64 {
-        let (t, m) = self.taken[agree_bucket(agree)];
-        t / (t + m)
+    /// The chance that the `j`-th token (from 1) of a draft found with
+    /// agreement `agree` is taken once the ones before it were.
+    pub fn alpha(&self, agree: usize, j: usize) -> f64 {
+        self.alphas(agree)[pos_bucket(j)]
+    }
+
+    /// [`Tuner::alpha`] for each position bucket.
+    fn alphas(&self, agree: usize) -> [f64; POS_BUCKETS] {
+        let w = PRIOR_TAKEN + PRIOR_MISSED;
+        let mut prior = PRIOR_TAKEN / w;
+        let mut out = [0.0; POS_BUCKETS];
+        for (a, (t, m)) in out.iter_mut().zip(self.taken[agree_bucket(agree)]) {
+            *a = (t + w * prior) / (t + m + w);
+            prior = *a;
+        }
+        out
     }
 
     /// What a step of `rows` rows is expected to cost (ms); None before
@@ -157,7 +184,6 @@ impl Tuner {
     /// time (0: decoding alone is better). None until steps are measured.
     pub fn choose(&self, agree: usize, avail: usize, rows: usize) -> Option<usize> {
         let base = self.cost(rows + 1)?;
-        let a = self.alpha(agree).clamp(0.0, 0.999);
         let mut best = (0, 1.0 / base);
         let mut k = 1;
         let mut candidates = Vec::new();
@@ -168,9 +194,19 @@ impl Tuner {
         if avail > 0 {
             candidates.push(avail);
         }
+        // expected[k]: 1 + the chance of reaching and taking each token up
+        // to the k-th.
+        let alphas = self.alphas(agree);
+        let mut expected = Vec::with_capacity(avail + 1);
+        let (mut sum, mut reach) = (1.0, 1.0);
+        expected.push(sum);
+        for j in 1..=avail {
+            reach *= alphas[pos_bucket(j)];
+            sum += reach;
+            expected.push(sum);
+        }
         for k in candidates {
-            let expected = 1.0 + a * (1.0 - a.powi(k as i32)) / (1.0 - a);
-            let rate = expected / self.cost(rows + 1 + k)?;
+            let rate = expected[k] / self.cost(rows + 1 + k)?;
             if rate > best.1 {
                 best = (k, rate);
             }
@@ -193,6 +229,10 @@ mod tests {
             [1, 2, 3, 4, 7, 8, 16, 31, 32, 64].map(agree_bucket),
             [0, 0, 0, 1, 1, 2, 3, 3, 4, 5]
         );
+        assert_eq!(
+            [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 99].map(pos_bucket),
+            [0, 1, 2, 2, 3, 3, 4, 4, 5, 6, 6, 6]
+        );
     }
 
     #[test]
@@ -209,11 +249,52 @@ mod tests {
         for (rows, ms) in [(1, 20.0), (2, 20.5), (17, 22.0), (65, 26.0)] {
             t.record_step(rows, ms);
         }
+        for _ in 0..25 {
+            t.record_draft(3, 8, 8);
+            t.record_draft(3, 8, 0);
+        }
+        assert!(t.alpha(3, 1) < 0.6 && t.alpha(3, 5) > 0.9);
+        assert!(t.choose(3, 64, 0).unwrap() >= 16);
+    }
+
+    /// Drafts lost at the same place every time are cut there.
+    #[test]
+    fn a_draft_is_cut_where_drafts_are_lost() {
+        let mut t = Tuner::default();
+        for (rows, ms) in [(1, 20.0), (2, 20.5), (17, 22.0), (65, 26.0)] {
+            t.record_step(rows, ms);
+        }
         for _ in 0..50 {
             t.record_draft(3, 8, 4);
         }
-        assert!(t.alpha(3) < 0.9);
-        assert!(t.choose(3, 64, 0).unwrap() >= 16);
+        assert!(t.alpha(3, 4) > 0.9 && t.alpha(3, 5) < 0.2);
+        assert!(t.choose(3, 64, 0).unwrap() <= 8);
+    }
+
+    /// Where the first extra row costs a whole step and the next ones
+    /// little (ggml's gemv for one row, tiled kernels from two: Qwen 0.5B,
+    /// 2 threads on a Zen 5), a draft that is taken whole half the time and
+    /// lost at its first token otherwise is worth sending whole: taken per
+    /// token on average it would not be (1 + α + α² ... with α one half).
+    #[test]
+    fn all_or_nothing_drafts_are_sent_whole() {
+        let mut t = Tuner::default();
+        for (rows, ms) in [
+            (1, 16.0),
+            (2, 32.0),
+            (4, 38.0),
+            (8, 50.0),
+            (17, 68.0),
+            (33, 116.0),
+            (65, 203.0),
+        ] {
+            t.record_step(rows, ms);
+        }
+        for _ in 0..40 {
+            t.record_draft(3, 16, 16);
+            t.record_draft(3, 16, 0);
+        }
+        assert_eq!(t.choose(3, 16, 0), Some(16));
     }
 
     /// Rows as dear as this machine's (Qwen 0.5B, 2 threads: 1 row 20.6
