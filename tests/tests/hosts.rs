@@ -345,15 +345,29 @@ fn two_hosts_over_mutual_tls() {
             r#"{{"model": "gemma", "prompt": "The capital of France is", "max_tokens": {max}, "temperature": 0, "ignore_eos": true, "stream": true}}"#
         )
     };
-    let calm = omni_tests::sse_completion(&http, &body(48))
+    // Long enough that the cut below, made once the first tokens are
+    // out, lands mid-stream however fast this machine decodes.
+    const TOKENS: usize = 160;
+    let calm = omni_tests::sse_completion(&http, &body(TOKENS))
         .unwrap_or_else(|e| panic!("{e}\n{}", two.logs()));
     assert!(!calm.text.is_empty());
 
     // The A-B link cut without a word mid-stream: no request is lost.
     let http2 = http.clone();
-    let b = body(48);
-    let stream = std::thread::spawn(move || omni_tests::sse_completion(&http2, &b));
-    std::thread::sleep(Duration::from_millis(700));
+    let b = body(TOKENS);
+    let (started, on_way) = std::sync::mpsc::channel();
+    let stream = std::thread::spawn(move || {
+        let mut chunks = 0;
+        omni_tests::sse_completion_with(&http2, &b, || {
+            chunks += 1;
+            if chunks == 4 {
+                let _ = started.send(());
+            }
+        })
+    });
+    on_way
+        .recv_timeout(Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("no tokens before the cut ({e})\n{}", two.logs()));
     let cut_at = Instant::now();
     two.hosts.cut();
     let got = stream
