@@ -219,6 +219,15 @@ impl Tuner {
 mod tests {
     use super::*;
 
+    /// A tuner that has measured steps of these (rows, ms).
+    fn measured(costs: &[(usize, f64)]) -> Tuner {
+        let mut t = Tuner::default();
+        for &(rows, ms) in costs {
+            t.record_step(rows, ms);
+        }
+        t
+    }
+
     #[test]
     fn buckets() {
         assert_eq!(
@@ -245,10 +254,7 @@ mod tests {
     /// tokens level off).
     #[test]
     fn cheap_rows_draft_long() {
-        let mut t = Tuner::default();
-        for (rows, ms) in [(1, 20.0), (2, 20.5), (17, 22.0), (65, 26.0)] {
-            t.record_step(rows, ms);
-        }
+        let mut t = measured(&[(1, 20.0), (2, 20.5), (17, 22.0), (65, 26.0)]);
         for _ in 0..25 {
             t.record_draft(3, 8, 8);
             t.record_draft(3, 8, 0);
@@ -260,10 +266,7 @@ mod tests {
     /// Drafts lost at the same place every time are cut there.
     #[test]
     fn a_draft_is_cut_where_drafts_are_lost() {
-        let mut t = Tuner::default();
-        for (rows, ms) in [(1, 20.0), (2, 20.5), (17, 22.0), (65, 26.0)] {
-            t.record_step(rows, ms);
-        }
+        let mut t = measured(&[(1, 20.0), (2, 20.5), (17, 22.0), (65, 26.0)]);
         for _ in 0..50 {
             t.record_draft(3, 8, 4);
         }
@@ -278,8 +281,7 @@ mod tests {
     /// token on average it would not be (1 + α + α² ... with α one half).
     #[test]
     fn all_or_nothing_drafts_are_sent_whole() {
-        let mut t = Tuner::default();
-        for (rows, ms) in [
+        let mut t = measured(&[
             (1, 16.0),
             (2, 32.0),
             (4, 38.0),
@@ -287,9 +289,7 @@ mod tests {
             (17, 68.0),
             (33, 116.0),
             (65, 203.0),
-        ] {
-            t.record_step(rows, ms);
-        }
+        ]);
         for _ in 0..40 {
             t.record_draft(3, 16, 16);
             t.record_draft(3, 16, 0);
@@ -302,8 +302,7 @@ mod tests {
     /// that is nearly always taken is worth a long draft.
     #[test]
     fn dear_rows_draft_only_when_sure() {
-        let mut t = Tuner::default();
-        for (rows, ms) in [
+        let mut t = measured(&[
             (1, 20.6),
             (2, 34.0),
             (4, 47.0),
@@ -311,9 +310,7 @@ mod tests {
             (17, 132.0),
             (33, 222.0),
             (65, 277.0),
-        ] {
-            t.record_step(rows, ms);
-        }
+        ]);
         for _ in 0..40 {
             t.record_draft(3, 3, 0);
             t.record_draft(40, 16, 16);
