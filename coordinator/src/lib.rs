@@ -215,11 +215,12 @@ pub struct CoordinatorConfig {
     /// prefix cache).
     #[arg(long, default_value_t = 65536)]
     pub spec_recent_tokens: usize,
-    /// How long a prompt-lookup draft is: tuned (the length that brings
-    /// the most tokens per second by this cluster's measured step costs
-    /// and acceptance; none where rows cost what a step does, as in
-    /// deterministic mode) or agreement (as many tokens as the match
-    /// agrees on, up to --draft-max, whatever they cost).
+    /// How long a prompt-lookup draft is: tuned (as long as the match
+    /// agrees on at first, then by the rule, among a few thresholds and
+    /// lengths or no drafts, that would have been fastest over this
+    /// cluster's recently ended answers at its measured step costs) or
+    /// agreement (as many tokens as the match agrees on, up to
+    /// --draft-max, whatever they cost).
     #[arg(long, value_enum, default_value_t = DraftLength::Tuned)]
     pub draft_length: DraftLength,
     /// A draft model for speculative decoding (llama-server's -md): a

@@ -390,6 +390,38 @@ fn an_answer_given_before_is_drafted_from_the_recent_sequences() {
     );
 }
 
+/// With the default draft length (`tuned`), the coordinator replays each
+/// ended answer under its candidate rules and may change how long drafts
+/// are between requests: whatever it picks, the answers are the ones
+/// without drafts, and a rewrite still drafts (on every machine measured,
+/// drafting a rewrite pays; docs/benchmarks.md).
+#[test]
+fn tuned_draft_lengths_keep_the_tokens_and_keep_drafting_rewrites() {
+    let mut spec = ClusterSpec::new(2, "shm");
+    spec.coordinator_args = ["--deterministic", "on", "--spec-recent-tokens", "0"]
+        .map(String::from)
+        .to_vec();
+    let c = Cluster::start(&model(QWEN), &spec);
+    let asks = [
+        "Raise the discount threshold from 100 to 250 and change nothing else.",
+        "Rename the parameter items to cart and change nothing else.",
+        "Round to 3 decimal places instead of 2 and change nothing else.",
+    ];
+    for ask in asks {
+        let text = REWRITE.replace(
+            "Raise the discount threshold from 100 to 250 and change nothing else.",
+            ask,
+        );
+        let (_, done) = same_with_drafts(&c, &chat(&text, 100), ask);
+        eprintln!("{ask}: {done:?}");
+        assert!(
+            done.draft_n_accepted * 3 > done.completion_tokens,
+            "{ask}: a third of the rewrite or more came from taken drafts: {done:?}\n{}",
+            c.logs()
+        );
+    }
+}
+
 /// Speculation with a draft model (`--model-draft`, llama-server's -md):
 /// the worker with the last stage loads it whole, guesses after every
 /// sample, and the target verifies: the same answers bit for bit (greedy,

@@ -47,6 +47,7 @@ use crate::error::Error;
 use crate::metrics::Metrics;
 use crossbeam_channel::Receiver;
 use omni_engine::sampling::{SamplingParams, StopMatcher};
+use omni_engine::speculative::DraftSource;
 use omni_engine::tokenizer::{StreamDecoder, Tokenizer};
 use omni_proto::coordinator::v1::GenerateEvent;
 use omni_proto::worker::v1::{SeqStart, Truncate};
@@ -432,6 +433,17 @@ impl Scheduler {
         if let Some(s) = self.seqs.remove(&id) {
             self.order.retain(|&o| o != id);
             self.pending_remove.push(s.slot);
+            let spec = s.new.spec;
+            if self.cfg.spec_tuned && spec.is_on() && spec.source == DraftSource::Lookup {
+                let prompt = s.tokens.len().saturating_sub(s.generated);
+                let recent = Some(&self.recent);
+                if let Some(rule) = self
+                    .tuner
+                    .replay(&s.tokens, prompt, recent, spec.ngram, spec.n_max)
+                {
+                    tracing::info!("prompt lookup now drafts {rule} (replayed on recent answers)");
+                }
+            }
             self.recent.push(&s.tokens);
             if let Some(pc) = self.prefix.as_mut() {
                 let fed = s.new.cache_prompt.then_some((&s.tokens[..], &s.cells[..]));

@@ -189,13 +189,12 @@ impl Scheduler {
                                 .saturating_sub(s.generated)
                                 .saturating_sub(1),
                         );
-                    let rows = step.tokens.len() - take;
                     let (draft, agree) = match s.new.spec.source {
                         DraftSource::Lookup => s.new.spec.draft(
                             &s.tokens,
                             Some(&self.recent),
                             room,
-                            self.cfg.spec_tuned.then_some((&self.tuner, rows)),
+                            self.cfg.spec_tuned.then_some(&self.tuner),
                         ),
                         DraftSource::Model => {
                             let mut d = std::mem::take(&mut s.proposed);
@@ -413,10 +412,13 @@ impl Scheduler {
         }
         let mut f = inflight.flight;
         if !f.replay {
-            self.tuner.record_step(
-                step.positions.len(),
-                inflight.sent.elapsed().as_secs_f64() * 1e3,
-            );
+            // Only decode steps teach the tuner what a draft's rows cost
+            // (each row wants logits; a prompt's rows do not).
+            if f.entries.iter().all(|e| e.n == 1) {
+                let ms = inflight.sent.elapsed().as_secs_f64() * 1e3;
+                tracing::debug!(rows = step.positions.len(), ms, "decode step timed");
+                self.tuner.record_step(step.positions.len(), ms);
+            }
             self.settle_drafts(&mut f.entries, &f.owners, &step.sampled);
         }
         self.log_step(g, &f.entries, &step.cells, f.replay);
@@ -457,9 +459,7 @@ impl Scheduler {
             let k = e.drafts.len();
             let taken = samples.saturating_sub(1).min(k);
             self.metrics.draft_accepted.inc_by(taken as u64);
-            if e.agree > 0 {
-                self.tuner.record_draft(e.agree, k, taken);
-            }
+            tracing::debug!(agree = e.agree, k, taken, "draft settled");
             e.verify = taken;
             // A sequence that is gone had its slot removed (every cell).
             let Some(s) = self.seqs.get_mut(&e.seq) else {

@@ -70,17 +70,16 @@ impl SpecParams {
     /// one the token just sampled, not yet computed), at most `room` tokens
     /// (what the step, the context and `max_tokens` leave); empty when
     /// there is none worth verifying. `recent`: ended sequences of the
-    /// same model to look in as well. `tuner`: what the cluster measured,
-    /// with the rows the step has before this sequence's token; it sizes
-    /// the draft ([`tune`]); without it (or before it measured a step) the
-    /// draft is as long as the agreement. Returns the draft and the
-    /// agreement it was found with.
+    /// same model to look in as well. `tuner`: what the cluster measured;
+    /// its rule sizes the draft ([`tune`]); without it the draft is as
+    /// long as the agreement. Returns the draft and the agreement it was
+    /// found with.
     pub fn draft(
         &self,
         tokens: &[u32],
         recent: Option<&Recent>,
         room: usize,
-        tuner: Option<(&tune::Tuner, usize)>,
+        tuner: Option<&tune::Tuner>,
     ) -> (Vec<u32>, usize) {
         let n_max = self.n_max.min(room);
         if n_max == 0 {
@@ -89,9 +88,7 @@ impl SpecParams {
         let Some((mut d, agree)) = lookup(tokens, recent, self.ngram, n_max) else {
             return (Vec::new(), 0);
         };
-        let k = tuner
-            .and_then(|(t, rows)| t.choose(agree, d.len(), rows))
-            .unwrap_or(agree);
+        let k = tuner.map_or(agree, |t| t.choose(agree, d.len()));
         d.truncate(k);
         if d.len() < self.n_min.max(1) {
             return (Vec::new(), agree);
