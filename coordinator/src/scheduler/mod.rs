@@ -437,10 +437,12 @@ impl Scheduler {
             if self.cfg.spec_tuned && spec.is_on() && spec.source == DraftSource::Lookup {
                 let prompt = s.tokens.len().saturating_sub(s.generated);
                 let recent = Some(&self.recent);
-                if let Some(rule) = self
+                let t0 = std::time::Instant::now();
+                let changed = self
                     .tuner
-                    .replay(&s.tokens, prompt, recent, spec.ngram, spec.n_max)
-                {
+                    .replay(&s.tokens, prompt, recent, spec.ngram, spec.n_max);
+                tracing::debug!(us = t0.elapsed().as_micros() as u64, "answer replayed");
+                if let Some(rule) = changed {
                     tracing::info!("prompt lookup now drafts {rule} (replayed on recent answers)");
                 }
             }

@@ -52,7 +52,7 @@ const HALF_LIFE: f64 = 1024.0;
 const MIN_EVIDENCE: f64 = 256.0;
 const MARGIN: f64 = 0.05;
 /// Most positions of one answer replayed (its last ones).
-const MAX_REPLAY: usize = 1024;
+const MAX_REPLAY: usize = 512;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Mean {
