@@ -237,7 +237,8 @@ impl Tuner {
                 (agree, avail, right)
             })
             .collect();
-        let step: Vec<f64> = (0..=n_max)
+        let longest = found.iter().map(|f| f.1).max().unwrap_or(0);
+        let step: Vec<f64> = (0..=longest)
             .map(|k| self.cost(1 + k).expect("measured above"))
             .collect();
         let fade = 0.5f64.powf(found.len() as f64 / HALF_LIFE);
