@@ -151,7 +151,9 @@ fn a_rolling_restart_of_every_process_under_load_fails_no_request() {
     let pid = up.child_pid("omni-router").expect("the router");
     signal(pid, "-TERM");
     wait(&up, "the router was not started again", || {
+        // The new router's process may not listen yet: refused until it does.
         up.child_pid("omni-router").is_some_and(|p| p != pid)
+            && std::net::TcpStream::connect(&router).is_ok()
             && http(&router, "GET", "/ready", &[], b"").0 == 200
     });
     steps.push(("router: restart".into(), t, Instant::now()));
