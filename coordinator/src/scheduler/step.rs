@@ -3,7 +3,6 @@
 
 use super::*;
 use omni_engine::sampling::StopMatcher;
-use omni_engine::speculative::DraftSource;
 use omni_engine::tokenizer::StreamDecoder;
 use omni_proto::coordinator::v1::Done;
 use omni_proto::coordinator::v1::FinishReason;
