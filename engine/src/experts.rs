@@ -57,6 +57,13 @@ pub struct ExpertBatch {
 pub trait ExpertExec {
     fn submit(&mut self, batch: ExpertBatch) -> Result<(), EngineError>;
     fn wait(&mut self) -> Result<Vec<f32>, EngineError>;
+    /// Whether `layer`'s experts are computed on this host's cores (in
+    /// this process, or by an expert worker over shared memory): a CPU
+    /// stage computing at the same time would take cores from it
+    /// (`StageConfig::shared_overlap`).
+    fn on_this_host(&self, _layer: u32) -> bool {
+        true
+    }
 }
 
 /// The most calls an executor holds submitted and not yet waited for.

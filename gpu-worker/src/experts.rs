@@ -62,6 +62,15 @@ impl ExpertExec for RemoteExperts {
         Ok(())
     }
 
+    /// A ring is on this host; a gRPC link is taken to cross to another
+    /// (on one host it may not, and the stage then computes at the same time).
+    fn on_this_host(&self, layer: u32) -> bool {
+        self.routes
+            .iter()
+            .find(|r| r.layers.contains(&layer))
+            .is_none_or(|r| r.link.kind() == "shm")
+    }
+
     fn wait(&mut self) -> Result<Vec<f32>, EngineError> {
         let i = self
             .pending

@@ -97,12 +97,17 @@ pub struct WorkerConfig {
     /// statistics and move the most used experts here every this many steps.
     #[arg(long, default_value_t = 32)]
     pub expert_reselect_steps: u64,
-    /// With routed experts on an expert worker and two or more sequences in
-    /// a step, compute one half of the step's sequences here while the
-    /// expert worker computes the other half's experts (the tokens are the
-    /// same either way). `auto`: on a GPU stage, whose compute does not take
-    /// the expert worker's cores; `on` also for a CPU stage, which pays
-    /// only where the two have cores of their own (`taskset`, NUMA nodes).
+    /// With routed experts on an expert worker, what this stage computes
+    /// while the expert worker computes (the tokens are the same either
+    /// way). `on`: the shared experts, and with two or more sequences in a
+    /// step one half of them while the expert worker computes the other
+    /// half's experts; `shared`: the shared experts only; `off`: nothing,
+    /// the two take turns (but for an expert worker reached over gRPC,
+    /// taken to be on another host: the shared experts still overlap its
+    /// work). `auto`: `on` for a GPU stage, whose compute does
+    /// not take the expert worker's cores, `off` for a CPU stage, where
+    /// computing at once pays only if the two have cores of their own
+    /// (`taskset`, NUMA nodes: then say `on`).
     #[arg(long, value_enum, default_value_t = Overlap::Auto)]
     pub expert_overlap: Overlap,
     /// On a GPU stage with routed experts on an expert worker: compute a
@@ -126,6 +131,7 @@ pub struct WorkerConfig {
 pub enum Overlap {
     Auto,
     On,
+    Shared,
     Off,
 }
 
@@ -633,6 +639,7 @@ impl Worker {
             repack: true,
             deterministic: req.deterministic,
             expert_overlap: false,
+            shared_overlap: false,
             // Only where the plan kept room on the device for it.
             local_experts: if req.stream_experts {
                 self.cfg.stream_experts
@@ -643,6 +650,11 @@ impl Worker {
         let cfg = StageConfig {
             expert_overlap: match self.cfg.expert_overlap {
                 Overlap::On => true,
+                Overlap::Shared | Overlap::Off => false,
+                Overlap::Auto => cfg.device.is_gpu(),
+            },
+            shared_overlap: match self.cfg.expert_overlap {
+                Overlap::On | Overlap::Shared => true,
                 Overlap::Off => false,
                 Overlap::Auto => cfg.device.is_gpu(),
             },

@@ -41,7 +41,8 @@ pub struct BenchMoeArgs {
     /// Also measure two streams with the stage and the expert worker on
     /// cores of their own (the stage on the first of this process's CPUs,
     /// the expert worker on the second, one thread each), with
-    /// `--expert-overlap` off and on: the aggregate decode rate of each.
+    /// `--expert-overlap` off, shared and on: the aggregate decode rate of
+    /// each.
     #[arg(long)]
     pub overlap: bool,
     /// Also time, with the experts on the expert worker, one step of each
@@ -218,12 +219,14 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
 }
 
 /// Two streams' aggregate decode rate, the stage pinned to one core and
-/// the expert worker to another, with `--expert-overlap` off, then on.
+/// the expert worker to another, with `--expert-overlap` off (the two take
+/// turns), shared (the stage computes its shared experts meanwhile), then on
+/// (and the other half of the step's sequences).
 fn overlap_rates(
     a: &BenchMoeArgs,
     path: &std::path::Path,
     ids: &mut Ids,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<Overlaps> {
     let cpus = omni_telemetry::cpus::allowed();
     anyhow::ensure!(
         cpus.len() >= 2,
@@ -231,7 +234,7 @@ fn overlap_rates(
         cpus.len()
     );
     let mut rates = Vec::new();
-    for overlap in ["off", "on"] {
+    for overlap in ["off", "shared", "on"] {
         let listen = format!("127.0.0.1:{}", free_port()?);
         let up = UpArgs {
             cpu_workers: 1,
@@ -285,7 +288,19 @@ fn overlap_rates(
         eprintln!("2 streams, own cores, --expert-overlap {overlap}: {r:.2} tok/s in all");
         rates.push(r);
     }
-    Ok((rates[0], rates[1]))
+    Ok(Overlaps {
+        off: rates[0],
+        shared: rates[1],
+        on: rates[2],
+    })
+}
+
+/// Two streams' aggregate decode rates (`--overlap`), tok/s.
+#[derive(Clone, Copy)]
+struct Overlaps {
+    off: f64,
+    shared: f64,
+    on: f64,
 }
 
 /// Random token ids, as llama-bench uses: a new run never repeats a prompt.
@@ -373,7 +388,7 @@ fn report(
     path: &std::path::Path,
     threads: usize,
     rows: &[Row],
-    overlap: Option<(f64, f64)>,
+    overlap: Option<Overlaps>,
 ) -> anyhow::Result<()> {
     let reference = rows
         .last()
@@ -398,8 +413,9 @@ fn report(
             serde_json::to_string_pretty(&serde_json::json!({
                 "model": path, "threads_per_process": threads, "pp": a.pp, "tg": a.tg,
                 "runs": a.runs, "rows": v,
-                "two_streams_own_cores": overlap.map(|(off, on)| serde_json::json!({
-                    "overlap_off_tok_s": off, "overlap_on_tok_s": on, "ratio": on / off,
+                "two_streams_own_cores": overlap.map(|o| serde_json::json!({
+                    "overlap_off_tok_s": o.off, "overlap_shared_tok_s": o.shared,
+                    "overlap_on_tok_s": o.on, "ratio": o.on / o.off,
                 })),
             }))?
         );
@@ -463,10 +479,11 @@ fn report(
             each.join(", ")
         );
     }
-    if let Some((off, on)) = overlap {
+    if let Some(Overlaps { off, shared, on }) = overlap {
         println!(
             "two streams, the stage and the expert worker on a core each: {on:.2} tok/s in all with \
-             --expert-overlap on, {off:.2} off ({:.2}x)",
+             --expert-overlap on, {shared:.2} shared ({:.2}x), {off:.2} off ({:.2}x)",
+            shared / off,
             on / off
         );
     }

@@ -408,7 +408,9 @@ fn experts_that_do_not_fit_go_to_the_cpu_worker_layer_by_layer() {
 /// expert worker computes the other's experts. What a user notices: every
 /// stream gets the tokens it gets alone (in one process, every expert in
 /// the stage), and the worker counts the steps that overlapped; with
-/// `off`, none do.
+/// `shared` (the stage computes only its shared experts meanwhile) and
+/// `off` (the stage computes them before handing the routed ones over),
+/// none do, and the tokens are the same.
 #[test]
 fn overlapped_steps_give_every_stream_its_tokens_alone() {
     let _g = serial();
@@ -427,7 +429,7 @@ fn overlapped_steps_give_every_stream_its_tokens_alone() {
             })
             .collect();
         let alone = omni_tests::engine_tokens(&path, &prompts, 16);
-        for overlap in ["on", "off"] {
+        for overlap in ["on", "shared", "off"] {
             let mut spec = expert_spec("shm", &["--experts", "cpu"]);
             spec.stages = 1;
             spec.worker_args = vec![vec!["--expert-overlap".into(), overlap.into()]];

@@ -53,6 +53,7 @@ impl Harness {
             repack: true,
             deterministic: false,
             expert_overlap: false,
+            shared_overlap: false,
             local_experts: Default::default(),
         };
         let stage = Stage::load(model.clone(), whole(), cfg.clone()).unwrap();

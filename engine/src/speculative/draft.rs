@@ -62,6 +62,7 @@ impl DraftModel {
             // cells are its own.
             deterministic: false,
             expert_overlap: false,
+            shared_overlap: false,
             ..cfg
         };
         let stage = Stage::load(model, LayerRange::whole(n_layer), cfg)?;

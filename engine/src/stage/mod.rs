@@ -68,6 +68,18 @@ pub struct StageConfig {
     /// moves it (see `run.rs`'s `group_split`).
     #[serde(default)]
     pub expert_overlap: bool,
+    /// With offloaded experts: compute the shared experts (and the routed
+    /// experts kept here) while the expert executor computes the rest,
+    /// rather than before handing them over, even where the executor
+    /// computes on this host's cores (`ExpertExec::on_this_host`; one on
+    /// another host is always overlapped). It pays where the stage's
+    /// compute does not take the executor's cores (a GPU stage; CPU workers
+    /// on cores of their own); on shared cores the two processes' spinning
+    /// thread teams slow each other (measured on a 2-core Zen 3 with an
+    /// R1-shaped slice: the stage's own time per decode token 264 ms
+    /// concurrent, against ~196 ms alone).
+    #[serde(default)]
+    pub shared_overlap: bool,
     /// On a GPU stage with offloaded experts: when a step is big enough,
     /// compute its routed experts on the GPU, streaming their weights from
     /// host memory (llama.cpp's op offload), instead of sending its tokens
@@ -139,6 +151,7 @@ impl Default for StageConfig {
             repack: true,
             deterministic: false,
             expert_overlap: false,
+            shared_overlap: false,
             local_experts: LocalExperts::Off,
         }
     }

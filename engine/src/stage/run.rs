@@ -13,6 +13,8 @@ use super::StageOutput;
 use crate::error::EngineError;
 use crate::experts::ExpertBatch;
 use crate::experts::ExpertExec;
+use crate::ffi::ggml::Executor;
+use crate::ffi::ggml::Graph;
 use crate::ffi::ggml::Tensor;
 use std::sync::Arc;
 use std::time::Instant;
@@ -505,6 +507,16 @@ impl Stage {
         } else {
             None
         };
+        // Without `shared_overlap`, for an executor on this host's cores,
+        // the side graph runs first: the stage and the executor take turns.
+        let mut side_graph = side_graph;
+        let side_first = if self.cfg.shared_overlap
+            || !experts.as_ref().is_some_and(|x| x.on_this_host(layer))
+        {
+            None
+        } else {
+            side_graph.take().map(|s| compute_side(&mut self.exec, s))
+        };
         let (rows, batch) = executor_share(split, layer, n_cut, e, x, id_vals, w_vals);
         let mut remote = None;
         if let Some(mut batch) = batch {
@@ -521,13 +533,7 @@ impl Stage {
         }
         // Overlaps with the executor's work; `finish` waits even if this
         // failed, so that the executor is left with nothing pending.
-        let side = side_graph.map(|(g, out)| {
-            self.exec.compute(&g).map(|()| {
-                let mut v = Vec::new();
-                out.read_f32(&mut v);
-                v
-            })
-        });
+        let side = side_first.or_else(|| side_graph.map(|s| compute_side(&mut self.exec, s)));
         Ok(PendingCut {
             layer,
             n_cut,
@@ -597,6 +603,19 @@ impl Stage {
             ffn_inp,
         })
     }
+}
+
+/// Computes a cut block's side graph (shared experts, routed experts kept
+/// here) and reads its output.
+fn compute_side(
+    exec: &mut Executor,
+    (g, out): (Graph<'_>, Tensor<'_>),
+) -> Result<Vec<f32>, String> {
+    exec.compute(&g).map(|()| {
+        let mut v = Vec::new();
+        out.read_f32(&mut v);
+        v
+    })
 }
 
 /// One group's step in progress.

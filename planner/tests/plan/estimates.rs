@@ -26,6 +26,7 @@ fn actual_and_estimate(
         repack: false,
         deterministic: false,
         expert_overlap: false,
+        shared_overlap: false,
         local_experts: Default::default(),
     };
     let actual = Stage::load(m.clone(), r.clone(), sc)
