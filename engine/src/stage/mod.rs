@@ -77,7 +77,7 @@ pub struct StageConfig {
     /// on cores of their own); on shared cores the two processes' spinning
     /// thread teams slow each other (measured on a 2-core Zen 3 with an
     /// R1-shaped slice: the stage's own time per decode token 264 ms
-    /// concurrent, against ~196 ms alone).
+    /// concurrent, 217 ms taking turns).
     #[serde(default)]
     pub shared_overlap: bool,
     /// On a GPU stage with offloaded experts: when a step is big enough,
