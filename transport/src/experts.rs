@@ -185,7 +185,7 @@ pub struct ExpertLink {
     kind: Kind,
     next_id: u64,
     /// The calls sent and not yet answered, oldest first: id, layer,
-    /// tokens and when each went.
+    /// tokens and when each started.
     pending: std::collections::VecDeque<(u64, u32, usize, Instant)>,
     pub stats: Arc<LinkStats>,
     pub timing: Arc<CallTiming>,
@@ -194,7 +194,7 @@ pub struct ExpertLink {
 /// Where the time of a link's calls went, in µs since it opened.
 #[derive(Debug, Default)]
 pub struct CallTiming {
-    /// From each request sent to its answer read.
+    /// From each request's start (before its encoding) to its answer read.
     pub round_trip_us: AtomicU64,
     /// What the worker said it computed.
     pub compute_us: AtomicU64,
@@ -307,6 +307,11 @@ impl ExpertLink {
                 "submit with {MAX_OUTSTANDING} calls unanswered"
             )));
         }
+        // The round trip starts before the request is encoded and sent:
+        // taken after the send, the clock could start late, when waking the
+        // worker cost this thread its core (two processes on two cores),
+        // and the worker's compute would outlast the round trip around it.
+        let started = Instant::now();
         let n_used = ids.len().checked_div(n_tokens).unwrap_or(0);
         let id = self.next_id;
         self.next_id += 1;
@@ -350,8 +355,7 @@ impl ExpertLink {
         }
         self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         self.stats.bytes_sent.fetch_add(n, Ordering::Relaxed);
-        self.pending
-            .push_back((id, layer, n_tokens, Instant::now()));
+        self.pending.push_back((id, layer, n_tokens, started));
         Ok(())
     }
 

@@ -494,7 +494,7 @@ impl Stage {
             device: &self.device,
             in_order: None,
         };
-        let side_graph = if has_side {
+        let mut side_graph = if has_side {
             let (g, out) = parts.build_side(side_ctx, layer, n_cut, dev_width);
             self.exec.alloc(&g).map_err(EngineError::Ggml)?;
             let input = |name: &str| side_ctx.get_tensor(name).expect("declared");
@@ -509,7 +509,6 @@ impl Stage {
         };
         // Without `shared_overlap`, for an executor on this host's cores,
         // the side graph runs first: the stage and the executor take turns.
-        let mut side_graph = side_graph;
         let side_first = if self.cfg.shared_overlap
             || !experts.as_ref().is_some_and(|x| x.on_this_host(layer))
         {
@@ -531,8 +530,9 @@ impl Stage {
             exec.submit(batch)?;
             remote = Some((n_sent, submitted));
         }
-        // Overlaps with the executor's work; `finish` waits even if this
-        // failed, so that the executor is left with nothing pending.
+        // Unless it ran first, the side graph overlaps with the executor's
+        // work; `finish` waits even if this failed, so that the executor is
+        // left with nothing pending.
         let side = side_first.or_else(|| side_graph.map(|s| compute_side(&mut self.exec, s)));
         Ok(PendingCut {
             layer,
