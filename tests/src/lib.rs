@@ -32,6 +32,41 @@ pub fn target_bin(name: &str) -> PathBuf {
     p
 }
 
+/// Waits while scripts/test still builds `name` beside the tests (it builds
+/// llama-server and ggml's Vulkan backend in the cores' idle time): such a
+/// build holds a file `name` in the folder `OMNI_PENDING_BUILDS` names while
+/// it runs, and leaves its log there as `name.failed` if it fails, which
+/// fails the test with that log. Outside scripts/test (no such folder) it
+/// returns at once, and the caller's check of the artifact says what to run.
+pub fn await_pending_build(name: &str) {
+    let Some(dir) = std::env::var_os("OMNI_PENDING_BUILDS") else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let start = Instant::now();
+    let mut said = false;
+    while dir.join(name).exists() {
+        if !said {
+            eprintln!("waiting for scripts/test's build of {name}, which runs beside the tests");
+            said = true;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(3600),
+            "scripts/test's build of {name} has not finished in an hour"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    if said {
+        eprintln!(
+            "{name} built after {:.0} s of waiting",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    if let Ok(log) = std::fs::read_to_string(dir.join(format!("{name}.failed"))) {
+        panic!("scripts/test's build of {name} failed:\n{log}");
+    }
+}
+
 /// A port nobody listens on right now.
 /// `omnictl ARGS --admin ADDR` with `OMNI_ADMIN_TOKEN` set to the token
 /// (or unset): (succeeded, stdout, stderr).

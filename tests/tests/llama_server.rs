@@ -39,6 +39,7 @@ const THREADS: usize = 2;
 
 /// The llama-server binary `scripts/llama-bench portable server` builds.
 fn llama_server_bin() -> PathBuf {
+    omni_tests::await_pending_build("llama-server");
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../target/llama-bench/portable/bin/llama-server");
     assert!(

@@ -46,6 +46,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn vulkan() {
+    omni_tests::await_pending_build("vulkan");
     let lib = target_bin("omni-gpu-worker").with_file_name("libggml-vulkan.so");
     assert!(
         lib.exists(),
