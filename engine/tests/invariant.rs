@@ -501,3 +501,101 @@ fn an_invariant_step_needs_a_stage_loaded_for_it() {
         "{err}"
     );
 }
+
+/// `StageConfig::expert_overlap`: a step of several sequences runs as two
+/// groups, interleaved, and a head stage's head runs once for both groups'
+/// rows. With batch-invariant steps nothing may move a bit: each step's
+/// rows are the non-overlapped stage's, in the same order, including a
+/// step where one group wants no logits (a prompt chunk) and one where
+/// neither does.
+#[test]
+fn overlapped_steps_give_the_whole_steps_logits() {
+    for file in [
+        "tiny-deepseek2-mla-q4_k_m.gguf",
+        "tiny-qwen3moe-q4_k_m.gguf",
+    ] {
+        let m = ModelFile::open(synthetic(file)).unwrap();
+        let moe_layers: Vec<u32> = (0..m.hparams.n_layer)
+            .filter(|&il| omni_engine::experts::expert_layer_tensors(&m, il).is_ok())
+            .collect();
+        let load = |overlap: bool| {
+            let mut cfg = det_config(5, 32);
+            cfg.expert_overlap = overlap;
+            let stage = Stage::load_offloaded(
+                m.clone(),
+                LayerRange::whole(m.hparams.n_layer),
+                cfg,
+                &moe_layers,
+            )
+            .unwrap();
+            let cfg = ExpertConfig {
+                n_ubatch: 32,
+                n_threads: 2,
+                repack: true,
+            };
+            let experts = Invariant(ExpertStage::load(m.clone(), &moe_layers, cfg).unwrap());
+            (stage, experts)
+        };
+        let (mut whole, mut whole_x) = load(false);
+        let (mut split, mut split_x) = load(true);
+        let token = |s: u32, i: i32| 3 + (i as u32 * 31 + s * 17) % 500;
+        let mut next = [0i32; 5];
+        let mut push = |b: &mut Batch, s: u32, logits: bool| {
+            let i = next[s as usize];
+            next[s as usize] += 1;
+            b.push(token(s, i), i, s, logits);
+        };
+        // Steps: sequence 0's prompt chunk (no logits) beside sequence 1's
+        // prompt; both sequences' next chunks, neither wanting logits; then
+        // steps of 3 and 5 sequences (cut 1 + 2 and 4 + 1; four rows
+        // would run whole, a cut at 2 breaking the repacked kernel's fours).
+        let mut steps: Vec<Batch> = Vec::new();
+        let mut b = Batch::default();
+        for i in 0..8 {
+            push(&mut b, i / 4, i == 7);
+        }
+        steps.push(b);
+        let mut b = Batch::default();
+        for s in 0..2 {
+            for _ in 0..4 {
+                push(&mut b, s, false);
+            }
+        }
+        steps.push(b);
+        for n in [3u32, 5, 3, 5] {
+            let mut b = Batch::default();
+            for s in 0..n {
+                push(&mut b, s, true);
+            }
+            steps.push(b);
+        }
+        for (k, b) in steps.iter().enumerate() {
+            let b = Batch {
+                invariant: true,
+                ..b.clone()
+            };
+            let run = |stage: &mut Stage, x: &mut Invariant| match stage
+                .forward_with(&b, None, x)
+                .unwrap()
+            {
+                StageOutput::Logits(l) => {
+                    let rows: Vec<Vec<u32>> = (0..l.rows.len()).map(|r| bits(l.row(r))).collect();
+                    (l.rows, rows)
+                }
+                StageOutput::Hidden(_) => unreachable!("a head stage"),
+            };
+            let (want_rows, want) = run(&mut whole, &mut whole_x);
+            let (got_rows, got) = run(&mut split, &mut split_x);
+            assert_eq!(got_rows, want_rows, "{file}, step {k}: rows");
+            assert!(got == want, "{file}, step {k}: overlapped logits differ");
+            let wanted: Vec<usize> = (0..b.len()).filter(|&i| b.logits[i]).collect();
+            assert_eq!(got_rows, wanted, "{file}, step {k}: the rows wanted");
+        }
+        assert_eq!(whole.overlapped_steps(), 0);
+        assert!(
+            split.overlapped_steps() >= 3,
+            "{file}: {} steps overlapped",
+            split.overlapped_steps()
+        );
+    }
+}

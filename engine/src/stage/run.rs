@@ -138,17 +138,8 @@ impl Stage {
             if let (true, Some(rule)) = (here, self.local.as_mut()) {
                 rule.steps += 1;
             }
-            let mut r = self.begin(batch, input, kv_idx, here);
-            let out = loop {
-                match self.advance(&mut r, experts.as_deref_mut()) {
-                    Ok(Progress::Done(o)) => break Ok(o),
-                    Ok(Progress::Cut(p)) => match self.finish(p, experts.as_deref_mut()) {
-                        Ok(c) => r.carry = Some(c),
-                        Err(e) => break Err(e),
-                    },
-                    Err(e) => break Err(e),
-                }
-            };
+            let mut r = self.begin(batch, input, kv_idx, here, true);
+            let out = self.drive(&mut r, experts.as_deref_mut());
             self.end(r);
             return out;
         };
@@ -156,16 +147,104 @@ impl Stage {
         let (a, b) = (batch.range(0..m), batch.range(m..batch.len()));
         let e = self.model.hparams.n_embd as usize;
         let inputs = input.map(|h| (h.rows(0..m, e), h.rows(m..h.n_tokens, e)));
+        // A head range's groups stop before the head: it runs once, below.
+        let groups_head = !self.range.head;
         let mut runs = [
-            self.begin(&a, inputs.as_ref().map(|i| &i.0), &kv_idx[..m], false),
-            self.begin(&b, inputs.as_ref().map(|i| &i.1), &kv_idx[m..], false),
+            self.begin(
+                &a,
+                inputs.as_ref().map(|i| &i.0),
+                &kv_idx[..m],
+                false,
+                groups_head,
+            ),
+            self.begin(
+                &b,
+                inputs.as_ref().map(|i| &i.1),
+                &kv_idx[m..],
+                false,
+                groups_head,
+            ),
         ];
         let result = self.interleave(&mut runs, experts);
+        // Each group's rows of the batch (logits wanted, or its stand-in row).
+        let rows = runs.each_ref().map(|r| (r.out_rows.clone(), r.no_logits));
         let [ra, rb] = runs;
         self.end(ra);
         self.end(rb);
         let [oa, ob] = result?;
-        merge(oa, ob, m)
+        let out = merge(oa, ob, m)?;
+        if groups_head {
+            return Ok(out);
+        }
+        let StageOutput::Hidden(hidden) = out else {
+            return Err(EngineError::Experts(
+                "an overlapped step's groups gave logits before the head".into(),
+            ));
+        };
+        self.head_of(batch, &hidden, rows, m)
+    }
+
+    /// Runs a group's segments to its output, waiting for each cut block's
+    /// experts in turn.
+    fn drive<'x>(
+        &mut self,
+        r: &mut GroupRun,
+        mut experts: Option<&mut (dyn ExpertExec + 'x)>,
+    ) -> Result<StageOutput, EngineError> {
+        loop {
+            match self.advance(r, experts.as_deref_mut())? {
+                Progress::Done(o) => return Ok(o),
+                Progress::Cut(p) => r.carry = Some(self.finish(p, experts.as_deref_mut())?),
+            }
+        }
+    }
+
+    /// The head of an overlapped step, for both groups' hidden rows (group
+    /// `a`'s rows, then `b`'s, which start at batch row `m`): the logits of
+    /// the rows wanted, as the whole batch's step gives them.
+    fn head_of(
+        &mut self,
+        batch: &Batch,
+        hidden: &Hidden,
+        [(rows_a, none_a), (rows_b, none_b)]: [(Vec<usize>, bool); 2],
+        m: usize,
+    ) -> Result<StageOutput, EngineError> {
+        let k = hidden.n_tokens;
+        let mut r = GroupRun {
+            batch,
+            n_tokens: k,
+            input: Some(hidden),
+            kv_idx: &[],
+            out_rows: (0..k).collect(),
+            no_logits: false,
+            n_kv: self.kv.n_kv(),
+            in_order: None,
+            mask: Vec::new(),
+            mask_swa: Vec::new(),
+            order: Vec::new(),
+            segments: vec![self.head_segment()].into_iter(),
+            carry: None,
+        };
+        let StageOutput::Logits(mut logits) = self.drive(&mut r, None)? else {
+            unreachable!("the head segment ends with the head")
+        };
+        // Drop a group's stand-in row (it wanted no logits).
+        let keep: Vec<(usize, bool)> = rows_a
+            .iter()
+            .map(|&i| (i, !none_a))
+            .chain(rows_b.iter().map(|&i| (i + m, !none_b)))
+            .collect();
+        let v = logits.n_vocab;
+        logits.rows.clear();
+        let mut data = Vec::with_capacity(logits.data.len());
+        for (j, &(row, wanted)) in keep.iter().enumerate() {
+            if wanted {
+                logits.rows.push(row);
+                data.extend_from_slice(&logits.data[j * v..(j + 1) * v]);
+            }
+        }
+        logits.data = data;
+        Ok(StageOutput::Logits(logits))
     }
 
     /// Two groups' steps, interleaved: each group's segment runs while the
@@ -228,13 +307,16 @@ impl Stage {
     /// A group's step, ready for its first segment: which rows it outputs
     /// and its attention masks (the stage's reused scratch for the first
     /// group; [`Stage::end`] gives it back). With `experts_here` the step
-    /// computes its routed experts itself, as one graph.
+    /// computes its routed experts itself, as one graph; without `head` a
+    /// head range's step ends with the hidden rows of its logits (their
+    /// head computed apart: [`Stage::head_of`]).
     fn begin<'b>(
         &mut self,
         batch: &'b Batch,
         input: Option<&'b Hidden>,
         kv_idx: &'b [i64],
         experts_here: bool,
+        head: bool,
     ) -> GroupRun<'b> {
         let hp = &self.model.hparams;
         let n = batch.len();
@@ -275,8 +357,13 @@ impl Stage {
                 );
             }
         }
+        let mut segments = self.segments(n, experts_here);
+        if let Some(last) = segments.last_mut() {
+            last.head &= head;
+        }
         GroupRun {
             batch,
+            n_tokens: n,
             input,
             kv_idx,
             out_rows,
@@ -287,7 +374,7 @@ impl Stage {
             mask_swa,
             order,
             // Without offloaded layers: one segment, the whole range's graph.
-            segments: self.segments(n, experts_here).into_iter(),
+            segments: segments.into_iter(),
             carry: None,
         }
     }
@@ -311,7 +398,7 @@ impl Stage {
         let model = Arc::clone(&self.model);
         let hp = &model.hparams;
         let batch = r.batch;
-        let n = batch.len();
+        let n = r.n_tokens;
         let Some(mut seg) = r.segments.next() else {
             unreachable!("the last segment ends the range")
         };
@@ -401,24 +488,25 @@ impl Stage {
                 let mut data = Vec::new();
                 self.exec.read_f32(out, &mut data);
                 self.times.output += t4.elapsed();
+                if !seg.head {
+                    // All rows, or (a head range's group) the rows whose
+                    // logits are wanted, its stand-in row kept for the head.
+                    return Ok(Progress::Done(StageOutput::Hidden(Hidden {
+                        n_tokens: r.out_rows.len(),
+                        n_embd: hp.n_embd as usize,
+                        data,
+                    })));
+                }
                 let mut rows = std::mem::take(&mut r.out_rows);
                 if r.no_logits {
                     rows.clear();
                     data.clear();
                 }
-                return Ok(Progress::Done(if self.range.head {
-                    StageOutput::Logits(Logits {
-                        n_vocab: hp.n_vocab as usize,
-                        rows,
-                        data,
-                    })
-                } else {
-                    StageOutput::Hidden(Hidden {
-                        n_tokens: n,
-                        n_embd: hp.n_embd as usize,
-                        data,
-                    })
-                }));
+                return Ok(Progress::Done(StageOutput::Logits(Logits {
+                    n_vocab: hp.n_vocab as usize,
+                    rows,
+                    data,
+                })));
             }
             SegmentOut::Cut {
                 cur,
@@ -621,6 +709,8 @@ fn compute_side(
 /// One group's step in progress.
 struct GroupRun<'b> {
     batch: &'b Batch,
+    /// Rows the step's graphs take (the batch's, or the head's hidden rows).
+    n_tokens: usize,
     input: Option<&'b Hidden>,
     kv_idx: &'b [i64],
     out_rows: Vec<usize>,
