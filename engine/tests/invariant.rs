@@ -397,28 +397,7 @@ fn moe_logits_do_not_depend_on_the_batch() {
 
         // The same with every MoE layer's experts in an expert stage.
         let m = ModelFile::open(&path).unwrap();
-        let moe_layers: Vec<u32> = (0..m.hparams.n_layer)
-            .filter(|&il| omni_engine::experts::expert_layer_tensors(&m, il).is_ok())
-            .collect();
-        let mut stage = Stage::load_offloaded(
-            m.clone(),
-            LayerRange::whole(m.hparams.n_layer),
-            det_config(N, 32),
-            &moe_layers,
-        )
-        .unwrap();
-        let mut experts = Invariant(
-            ExpertStage::load(
-                m.clone(),
-                &moe_layers,
-                ExpertConfig {
-                    n_ubatch: 32,
-                    n_threads: 2,
-                    repack: true,
-                },
-            )
-            .unwrap(),
-        );
+        let (mut stage, mut experts) = offloaded(&m, det_config(N, 32));
         let split = together(&mut offloaded_steps(&mut stage, &mut experts), &prompts, 32);
         for s in 0..N {
             for (i, (a, b)) in alone[s].iter().zip(&split[s]).enumerate() {
@@ -454,6 +433,23 @@ fn moe_logits_do_not_depend_on_the_batch() {
             }
         }
     }
+}
+
+/// The whole model in one stage (`cfg`) with every MoE layer's experts in
+/// an expert stage.
+fn offloaded(m: &std::sync::Arc<ModelFile>, cfg: StageConfig) -> (Stage, Invariant) {
+    let moe_layers: Vec<u32> = (0..m.hparams.n_layer)
+        .filter(|&il| omni_engine::experts::expert_layer_tensors(m, il).is_ok())
+        .collect();
+    let whole = LayerRange::whole(m.hparams.n_layer);
+    let stage = Stage::load_offloaded(m.clone(), whole, cfg, &moe_layers).unwrap();
+    let cfg = ExpertConfig {
+        n_ubatch: 32,
+        n_threads: 2,
+        repack: true,
+    };
+    let experts = Invariant(ExpertStage::load(m.clone(), &moe_layers, cfg).unwrap());
+    (stage, experts)
 }
 
 fn offloaded_steps<'a>(
@@ -515,26 +511,10 @@ fn overlapped_steps_give_the_whole_steps_logits() {
         "tiny-qwen3moe-q4_k_m.gguf",
     ] {
         let m = ModelFile::open(synthetic(file)).unwrap();
-        let moe_layers: Vec<u32> = (0..m.hparams.n_layer)
-            .filter(|&il| omni_engine::experts::expert_layer_tensors(&m, il).is_ok())
-            .collect();
         let load = |overlap: bool| {
             let mut cfg = det_config(5, 32);
             cfg.expert_overlap = overlap;
-            let stage = Stage::load_offloaded(
-                m.clone(),
-                LayerRange::whole(m.hparams.n_layer),
-                cfg,
-                &moe_layers,
-            )
-            .unwrap();
-            let cfg = ExpertConfig {
-                n_ubatch: 32,
-                n_threads: 2,
-                repack: true,
-            };
-            let experts = Invariant(ExpertStage::load(m.clone(), &moe_layers, cfg).unwrap());
-            (stage, experts)
+            offloaded(&m, cfg)
         };
         let (mut whole, mut whole_x) = load(false);
         let (mut split, mut split_x) = load(true);

@@ -167,7 +167,9 @@ impl Stage {
         ];
         let result = self.interleave(&mut runs, experts);
         // Each group's rows of the batch (logits wanted, or its stand-in row).
-        let rows = runs.each_ref().map(|r| (r.out_rows.clone(), r.no_logits));
+        let rows = runs
+            .each_mut()
+            .map(|r| (std::mem::take(&mut r.out_rows), r.no_logits));
         let [ra, rb] = runs;
         self.end(ra);
         self.end(rb);
