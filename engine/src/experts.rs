@@ -298,6 +298,7 @@ fn build<'g>(
             w("ffn_down_exps.weight"),
         ],
         Activation::Silu,
+        true,
     );
     out.set_output();
     graph.expand(out);

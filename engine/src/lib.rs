@@ -65,6 +65,16 @@ pub use units::{fmt_bytes, parse_rate, parse_size};
 #[cfg(feature = "ggml")]
 pub use ffi::cpu_variant::{Candidate as CpuVariant, CpuBackendInfo};
 
+/// Whether this process computes Q4_K and Q6_K routed experts on the CPU
+/// with omni's own kernel (AVX-512 VNNI; the weights used as the file maps
+/// them) rather than ggml's `mul_mat_id` on repacked weights. The same
+/// bits either way; off where the CPU lacks the instructions or
+/// `OMNI_EXPERT_KERNEL=ggml`.
+#[cfg(feature = "ggml")]
+pub fn expert_kernel_on() -> bool {
+    ffi::ggml::expert_kernel_available()
+}
+
 /// Loads (once per process) and describes the CPU backend. `request` forces
 /// a variant (a service's `--cpu-variant`; else `OMNI_CPU_VARIANT`; else the
 /// best this CPU runs, never one with AMX). Call it at start, before

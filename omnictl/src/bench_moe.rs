@@ -106,13 +106,18 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
     drop(model);
     eprintln!(
         "omnictl bench-moe: {} ({}, {} layers, {} experts, {} used), {threads} threads per process; \
-         routed expert weights read per decode token: {}",
+         routed expert weights read per decode token: {}; Q4_K/Q6_K experts by {}",
         path.display(),
         hp.arch.name(),
         hp.n_layer,
         moe.n_expert,
         moe.n_expert_used,
-        omni_engine::fmt_bytes(expert_bytes)
+        omni_engine::fmt_bytes(expert_bytes),
+        if omni_engine::expert_kernel_on() {
+            "omni's AVX-512 VNNI kernel (OMNI_EXPERT_KERNEL=ggml for ggml's)"
+        } else {
+            "ggml's mul_mat_id"
+        }
     );
 
     let mut rows = Vec::new();

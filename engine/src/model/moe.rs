@@ -53,6 +53,7 @@ impl<'g> LayerCx<'g, '_> {
             &r,
             [w.up_exps, w.gate_exps, w.down_exps],
             act,
+            !self.weights.on_device,
         )
     }
 
@@ -129,7 +130,8 @@ pub(crate) struct Routing<'g> {
 /// on `x` (`[n_embd, n_tokens]`) through `mul_mat_id` with the `[up, gate,
 /// down]` expert weights, scaled by its weight, summed over the experts.
 /// Shared by the in-graph block and [`crate::experts::ExpertStage`], so
-/// both run the same nodes in the same order.
+/// both run the same nodes in the same order; `on_cpu`: the graph runs on
+/// the CPU (see [`Ctx::expert_matmuls`]).
 pub(crate) fn moe_experts<'g>(
     g: &'g Ctx,
     graph: &mut Graph<'g>,
@@ -137,18 +139,20 @@ pub(crate) fn moe_experts<'g>(
     r: &Routing<'g>,
     [up_exps, gate_exps, down_exps]: [Tensor<'g>; 3],
     act: Activation,
+    on_cpu: bool,
 ) -> Tensor<'g> {
     let [n_embd, n_tokens, ..] = x.ne();
     let n_used = r.selected.ne()[0];
     let selected = r.selected;
     let cur = g.reshape(x, &[n_embd, 1, n_tokens]);
-    let up = g.mul_mat_id(up_exps, cur, selected); // [n_ff_exp, n_used, n_tokens]
-    let gate = g.mul_mat_id(gate_exps, cur, selected);
+    // [n_ff_exp, n_used, n_tokens] each; ours where it takes the weights
+    // (`experts_kernel`), ggml's `mul_mat_id` otherwise.
+    let [up, gate] = g.expert_matmuls([up_exps, gate_exps], cur, selected, on_cpu);
     let h = match act {
         Activation::Silu => g.swiglu_split(gate, up),
         Activation::GeluTanh => g.geglu_split(gate, up),
     };
-    let experts = g.mul_mat_id(down_exps, h, selected); // [n_embd, n_used, n_tokens]
+    let [experts] = g.expert_matmuls([down_exps], h, selected, on_cpu); // [n_embd, n_used, n_tokens]
     let experts = g.mul(experts, r.weights);
     graph.expand(experts);
 

@@ -394,6 +394,8 @@ impl GraphParts<'_> {
                 &Routing { selected, weights },
                 d.weights(),
                 Activation::Silu,
+                // The device's own copies: ggml's op.
+                false,
             )
         });
         let out = match (shared, routed) {

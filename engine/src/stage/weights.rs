@@ -187,7 +187,10 @@ impl Weights {
                 }
                 None => repack_buft.is_some_and(|b| match op {
                     WeightOp::MulMat => repack.dense,
-                    WeightOp::MulMatId => repack.experts,
+                    // Ours takes the experts as the file has them.
+                    WeightOp::MulMatId => {
+                        repack.experts && !ggml::expert_kernel_takes(ty)
+                    }
                     WeightOp::Other => false,
                 } && ggml::buft_supports(b, mapped.get(idx), read)),
             };

@@ -12,6 +12,7 @@
 mod attention;
 mod backend;
 mod check;
+mod experts_kernel;
 
 use super::cpu_variant;
 pub use attention::ORDER_HEADER;
@@ -20,6 +21,7 @@ pub use backend::{
     GraphAllocator, TensorStore, WeightRead,
 };
 pub use check::{matmul_check, weight_read_rate};
+pub use experts_kernel::{available as expert_kernel_available, takes_type as expert_kernel_takes};
 use llama_cpp_sys_2 as sys;
 use std::cell::Cell;
 use std::ffi::{c_void, CStr, CString};
