@@ -2,15 +2,15 @@
 //! Q6_K expert weights (what a Q4_K_M file's experts are) with AVX-512
 //! VNNI, run by ggml's CPU backend as two custom ops.
 //!
-//! Written here rather than taken from ggml because ggml's kernels for
-//! these types on x86 are AVX2 only (`ggml_gemv_q4_K_8x8_q8_K` over the
-//! repacked layout, `ggml_vec_dot_q6_K_q8_K`): on a CPU with AVX-512 they
-//! leave the expert worker compute-bound at half the memory's pace
-//! (docs/benchmarks.md, "a Zen 5, where ggml's kernels bind"). Here one
-//! `vpdpbusd` multiplies 64 weights by 64 activations, the weights are read
-//! where the file maps them (no repacked copy), and a row's arithmetic is
-//! the same whatever else is in the step, so the result of a token does
-//! not depend on its batch.
+//! Written here rather than taken from ggml for what ggml's op cannot do:
+//! read Q4_K experts where the file maps them (its fast Q4_K kernel wants
+//! a repacked copy: for R1, hundreds of GB copied at every start), and
+//! multiply a row by every token that chose its expert while the row is in
+//! cache (its op reads the row once per token). ggml's kernels for these
+//! types on x86 are AVX2 (`ggml_gemv_q4_K_8x8_q8_K`,
+//! `ggml_vec_dot_q6_K_q8_K`); here one `vpdpbusd` multiplies 64 weights by
+//! 64 activations. For one decode token memory binds both about alike
+//! (docs/benchmarks.md).
 //!
 //! - `quantize` (one op per activation tensor, shared by the matmuls that
 //!   read it) turns each F32 row into blocks of 256 `i8` exactly as ggml's
@@ -22,10 +22,14 @@
 //!   computes every (token, slot) that chose the expert against a row while
 //!   the row is in cache, four tokens at a time.
 //!
-//! The integer dot products are exact; only the order of the float sums
-//! differs from ggml's, so results agree with its to rounding.
+//! The same bits as ggml's op as llama.cpp runs it: the integer sums are
+//! exact, and the floats are added in the order of the kernel llama.cpp
+//! uses (per block, the row's two integer totals and one FMA each for the
+//! repacked Q4_K gemv; eight integer lanes, one FMA each per block and
+//! ggml's final sum for the Q6_K dot). A row's arithmetic does not depend
+//! on what else is in the step, so neither does a token's result.
 //! `OMNI_EXPERT_KERNEL=ggml` turns ours off (ggml's `mul_mat_id` on
-//! repacked weights, as before), for comparison.
+//! repacked weights), for comparison.
 
 use super::{sys, Ctx, RawType, Tensor, TYPE_F32};
 use std::ffi::{c_int, c_void};
