@@ -250,24 +250,25 @@ fn quantize_row(x: &[f32], out: &mut [u8], kind: Kind) {
                 max = v;
             }
         }
-        let mut q = [0i8; QK];
+        // The `i8` values' bits, as the block stores them.
+        let mut q = [0u8; QK];
         let d = if amax == 0.0 {
             0.0
         } else {
             let iscale = -127.0 / max;
             for (q, &v) in q.iter_mut().zip(x) {
-                *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+                *q = ((iscale * v).round_ties_even() as i32).min(127) as i8 as u8;
             }
             1.0 / iscale
         };
         for (g, s) in q.chunks_exact(16).enumerate() {
-            let sum: i16 = s.iter().map(|&v| v as i16).sum();
+            let sum: i16 = s.iter().map(|&v| v as i8 as i16).sum();
             blk[ACT_SUMS + 2 * g..ACT_SUMS + 2 * g + 2].copy_from_slice(&sum.to_le_bytes());
         }
         blk[ACT_D..ACT_D + 4].copy_from_slice(&d.to_le_bytes());
         let qs = &mut blk[..QK];
         match kind {
-            Kind::Q6K => qs.copy_from_slice(bytemuck_i8(&q)),
+            Kind::Q6K => qs.copy_from_slice(&q),
             // Per 128 values: sub-blocks 0, 2, 1, 3 of 32, the order a
             // 64-byte load of Q4_K nibbles (low: 0 and 2, high: 1 and 3)
             // meets them.
@@ -276,17 +277,12 @@ fn quantize_row(x: &[f32], out: &mut [u8], kind: Kind) {
                     for (slot, sub) in [0, 2, 1, 3].into_iter().enumerate() {
                         let from = half * 128 + sub * 32;
                         let to = half * 128 + slot * 32;
-                        qs[to..to + 32].copy_from_slice(bytemuck_i8(&q[from..from + 32]));
+                        qs[to..to + 32].copy_from_slice(&q[from..from + 32]);
                     }
                 }
             }
         }
     }
-}
-
-fn bytemuck_i8(q: &[i8]) -> &[u8] {
-    // SAFETY: i8 and u8 have the same size and alignment.
-    unsafe { std::slice::from_raw_parts(q.as_ptr() as *const u8, q.len()) }
 }
 
 /// Tokens computed against one weight row at a time.
