@@ -51,6 +51,12 @@ pub struct BenchMoeArgs {
     /// timed as a k-token prompt, so its logits are one row's, not k).
     #[arg(long, value_delimiter = ',')]
     pub verify: Vec<usize>,
+    /// Measure everything (each configuration, then llama.cpp) this many
+    /// times in turn and report medians, a ratio to llama.cpp being the
+    /// median of each round's own: a shared machine's rates drift over
+    /// minutes, so blocks measured minutes apart compare unfairly.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     #[arg(long)]
     pub json: bool,
 }
@@ -120,8 +126,32 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
         }
     );
 
-    let mut rows = Vec::new();
+    anyhow::ensure!(a.rounds >= 1, "--rounds must be at least 1");
     let mut ids = Ids::new(n_vocab);
+    let mut rounds = Vec::new();
+    for r in 0..a.rounds {
+        if a.rounds > 1 {
+            eprintln!("round {} of {}", r + 1, a.rounds);
+        }
+        rounds.push(round(&a, &path, threads, expert_bytes, &mut ids)?);
+    }
+    let (rows, overlap, per_round) = combine(&a, rounds);
+    report(&a, &path, threads, &rows, overlap, per_round.as_ref())
+}
+
+/// One round: each configuration's figures, llama.cpp's last, and the two
+/// streams' rates with `--overlap`.
+type Round = (Vec<Row>, Option<Overlaps>);
+
+/// Measures one [`Round`].
+fn round(
+    a: &BenchMoeArgs,
+    path: &std::path::Path,
+    threads: usize,
+    expert_bytes: u64,
+    ids: &mut Ids,
+) -> anyhow::Result<Round> {
+    let mut rows = Vec::new();
     for (config, cpu_workers) in [("1 stage", 0usize), ("1 stage + expert worker, shm", 1)] {
         let listen = format!("127.0.0.1:{}", free_port()?);
         let up = UpArgs {
@@ -132,7 +162,7 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
             ..UpArgs::bench(&a.model, 1, "shm", &listen, threads)
         };
         eprintln!("{config}: starting");
-        let mut cluster = LocalCluster::start(&up, &path, threads, true)?;
+        let mut cluster = LocalCluster::start(&up, path, threads, true)?;
         let result = (|| {
             cluster.wait_ready(&listen, Duration::from_secs(600))?;
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -195,7 +225,7 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
         rows.push(row);
     }
     let overlap = if a.overlap {
-        Some(overlap_rates(&a, &path, &mut ids)?)
+        Some(overlap_rates(a, path, ids)?)
     } else {
         None
     };
@@ -203,7 +233,7 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
         rows.push({
             let r = crate::bench::llama_bench(
                 bin,
-                &path,
+                path,
                 threads,
                 &[a.pp],
                 a.tg,
@@ -220,7 +250,100 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
             }
         });
     }
-    report(&a, &path, threads, &rows, overlap)
+    Ok((rows, overlap))
+}
+
+/// With several rounds, each round's own ratios: per configuration, its
+/// decode and prefill to llama.cpp's (with `--llama-bench`), and the two
+/// streams' `on` to `off` (with `--overlap`).
+#[derive(Default)]
+struct PerRound {
+    vs_llama: Vec<(Vec<f64>, Vec<f64>)>,
+    overlap: Vec<f64>,
+}
+
+/// The rounds as one set of rows (each figure the median of the rounds'),
+/// the two streams' rates likewise, and, with several rounds and
+/// llama.cpp, each round's own ratios.
+fn combine(
+    a: &BenchMoeArgs,
+    mut rounds: Vec<Round>,
+) -> (Vec<Row>, Option<Overlaps>, Option<PerRound>) {
+    if rounds.len() == 1 {
+        let (rows, overlap) = rounds.remove(0);
+        return (rows, overlap, None);
+    }
+    let overlap_ratios = rounds
+        .iter()
+        .filter_map(|r| r.1.map(|o| o.on / o.off))
+        .collect();
+    let vs_llama = a.llama_bench.is_some().then(|| {
+        let n = rounds[0].0.len();
+        (0..n)
+            .map(|i| {
+                let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
+                let decode = rounds
+                    .iter()
+                    .map(|(r, _)| ratio(r[i].decode_tok_s, r[n - 1].decode_tok_s))
+                    .collect();
+                let prefill = rounds
+                    .iter()
+                    .filter_map(|(r, _)| Some(ratio(r[i].prefill_tok_s?, r[n - 1].prefill_tok_s?)))
+                    .collect();
+                (decode, prefill)
+            })
+            .collect()
+    });
+    let per_round = PerRound {
+        vs_llama: vs_llama.unwrap_or_default(),
+        overlap: overlap_ratios,
+    };
+    let med = |f: &dyn Fn(&Round) -> Option<f64>| {
+        let mut v: Vec<f64> = rounds.iter().filter_map(f).collect();
+        (!v.is_empty()).then(|| median(&mut v))
+    };
+    let overlap = rounds[0].1.map(|_| Overlaps {
+        off: med(&|r| Some(r.1?.off)).unwrap_or(0.0),
+        shared: med(&|r| Some(r.1?.shared)).unwrap_or(0.0),
+        on: med(&|r| Some(r.1?.on)).unwrap_or(0.0),
+    });
+    let n = rounds[0].0.len();
+    let rows = (0..n)
+        .map(|i| {
+            let breakdown = rounds[0].0[i].breakdown.map(|_| {
+                let b = |f: fn(&Breakdown) -> f64| {
+                    med(&|r: &Round| r.0[i].breakdown.as_ref().map(f)).unwrap_or(0.0)
+                };
+                Breakdown {
+                    step_ms: b(|x| x.step_ms),
+                    stage_ms: b(|x| x.stage_ms),
+                    experts_ms: b(|x| x.experts_ms),
+                    calls_ms: b(|x| x.calls_ms),
+                    wait_ms: b(|x| x.wait_ms),
+                    calls_per_token: b(|x| x.calls_per_token),
+                    expert_bytes: b(|x| x.expert_bytes),
+                    expert_gb_s_core: b(|x| x.expert_gb_s_core),
+                }
+            });
+            let steps = rounds[0].0[i]
+                .steps
+                .iter()
+                .enumerate()
+                .map(|(j, &(k, _))| {
+                    let ms = med(&|r: &Round| Some(r.0[i].steps.get(j)?.1));
+                    (k, ms.unwrap_or(0.0))
+                })
+                .collect();
+            Row {
+                config: rounds[0].0[i].config,
+                decode_tok_s: med(&|r| Some(r.0[i].decode_tok_s)).unwrap_or(0.0),
+                prefill_tok_s: med(&|r| r.0[i].prefill_tok_s),
+                breakdown,
+                steps,
+            }
+        })
+        .collect();
+    (rows, overlap, Some(per_round))
 }
 
 /// Two streams' aggregate decode rate, the stage pinned to one core and
@@ -394,21 +517,43 @@ fn report(
     threads: usize,
     rows: &[Row],
     overlap: Option<Overlaps>,
+    per_round: Option<&PerRound>,
 ) -> anyhow::Result<()> {
     let reference = rows
         .last()
         .filter(|_| a.llama_bench.is_some())
         .map(|r| (r.decode_tok_s, r.prefill_tok_s));
+    // A row's ratios to llama.cpp: with rounds, the median of each round's.
+    let ratios = |i: usize, r: &Row| -> (Option<f64>, Option<f64>) {
+        if let Some(p) = per_round.filter(|p| !p.vs_llama.is_empty()) {
+            let m = |v: &[f64]| (!v.is_empty()).then(|| median(&mut v.to_vec()));
+            return (m(&p.vs_llama[i].0), m(&p.vs_llama[i].1));
+        }
+        let Some((decode, prefill)) = reference else {
+            return (None, None);
+        };
+        let vs = |x: f64, y: f64| (y > 0.0).then(|| x / y);
+        (
+            vs(r.decode_tok_s, decode),
+            r.prefill_tok_s.zip(prefill).and_then(|(x, y)| vs(x, y)),
+        )
+    };
     if a.json {
         let v: Vec<_> = rows
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 let mut j = serde_json::to_value(r).unwrap_or_default();
-                if let Some((decode, prefill)) = reference {
-                    j["decode_vs_llama_cpp"] = (r.decode_tok_s / decode).into();
-                    if let (Some(p), Some(rp)) = (r.prefill_tok_s, prefill) {
-                        j["prefill_vs_llama_cpp"] = (p / rp).into();
-                    }
+                let (decode, prefill) = ratios(i, r);
+                if let Some(d) = decode {
+                    j["decode_vs_llama_cpp"] = d.into();
+                }
+                if let Some(p) = prefill {
+                    j["prefill_vs_llama_cpp"] = p.into();
+                }
+                if let Some((d, p)) = per_round.and_then(|p| p.vs_llama.get(i)) {
+                    j["decode_vs_llama_cpp_per_round"] = d.clone().into();
+                    j["prefill_vs_llama_cpp_per_round"] = p.clone().into();
                 }
                 j
             })
@@ -417,39 +562,63 @@ fn report(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "model": path, "threads_per_process": threads, "pp": a.pp, "tg": a.tg,
-                "runs": a.runs, "rows": v,
+                "runs": a.runs, "rounds": a.rounds, "rows": v,
                 "two_streams_own_cores": overlap.map(|o| serde_json::json!({
                     "overlap_off_tok_s": o.off, "overlap_shared_tok_s": o.shared,
                     "overlap_on_tok_s": o.on, "ratio": o.on / o.off,
+                    "ratio_per_round": per_round.map(|p| p.overlap.clone()),
                 })),
             }))?
         );
         return Ok(());
     }
     println!(
-        "model {} | {threads} thread(s) per process | pp{} and tg{}, median of {}",
+        "model {} | {threads} thread(s) per process | pp{} and tg{}, median of {}{}",
         path.display(),
         a.pp,
         a.tg,
-        a.runs
+        a.runs,
+        if a.rounds > 1 {
+            format!(
+                " in each of {} rounds; figures are the rounds' medians, ratios the median of \
+                 each round's",
+                a.rounds
+            )
+        } else {
+            String::new()
+        }
     );
     println!(
         "{:<32} {:>10} {:>9} {:>11} {:>9}",
         "config", "decode t/s", "vs llama", "prefill t/s", "vs llama"
     );
-    for r in rows {
-        let vs = |x: Option<f64>, y: Option<f64>| match (x, y) {
-            (Some(x), Some(y)) if y > 0.0 => format!("{:.2}x", x / y),
-            _ => "-".into(),
-        };
+    let x = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}x"));
+    for (i, r) in rows.iter().enumerate() {
+        let (decode, prefill) = ratios(i, r);
         println!(
             "{:<32} {:>10.2} {:>9} {:>11} {:>9}",
             r.config,
             r.decode_tok_s,
-            vs(Some(r.decode_tok_s), reference.map(|x| x.0)),
+            x(decode),
             r.prefill_tok_s.map_or("-".into(), |p| format!("{p:.1}")),
-            vs(r.prefill_tok_s, reference.and_then(|x| x.1))
+            x(prefill)
         );
+    }
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(p) = per_round {
+        for (r, (decode, prefill)) in rows.iter().zip(&p.vs_llama).take(rows.len() - 1) {
+            println!(
+                "{}: each round's ratio to llama.cpp: decode {}; prefill {}",
+                r.config,
+                list(decode),
+                list(prefill)
+            );
+        }
     }
     for r in rows {
         let Some(b) = r.breakdown else { continue };
@@ -491,6 +660,13 @@ fn report(
             shared / off,
             on / off
         );
+        if let Some(p) = per_round.filter(|p| !p.overlap.is_empty()) {
+            let m = median(&mut p.overlap.clone());
+            println!(
+                "two streams: each round's on / off: {} (median {m:.2}x)",
+                list(&p.overlap)
+            );
+        }
     }
     Ok(())
 }

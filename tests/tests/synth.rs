@@ -237,9 +237,9 @@ fn the_same_seed_writes_the_same_file_and_bad_requests_say_why() {
     }
 }
 
-/// `omnictl bench-moe` on a small slice: every row and the breakdown of a
-/// decode step with the experts on an expert worker; a dense model is
-/// refused with the reason.
+/// `omnictl bench-moe` on a small slice, in two rounds: every row (each
+/// figure the rounds' median) and the breakdown of a decode step with the
+/// experts on an expert worker; a dense model is refused with the reason.
 #[test]
 fn bench_moe_prints_each_configuration_and_where_a_step_went() {
     let dir = tempfile::tempdir().unwrap();
@@ -248,13 +248,18 @@ fn bench_moe_prints_each_configuration_and_where_a_step_went() {
         .args(["bench-moe", "--model"])
         .arg(&path)
         .args([
-            "-t", "1", "--pp", "16", "--tg", "4", "--runs", "1", "--json",
+            "-t", "1", "--pp", "16", "--tg", "4", "--runs", "1", "--rounds", "2", "--json",
         ])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["rounds"], 2, "{v}");
+    assert!(
+        err.contains("round 1 of 2") && err.contains("round 2 of 2"),
+        "{err}"
+    );
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     for r in rows {
