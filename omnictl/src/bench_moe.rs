@@ -281,14 +281,15 @@ fn combine(
         let n = rounds[0].0.len();
         (0..n)
             .map(|i| {
-                let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
+                // A round where llama.cpp gave no figure gives no ratio.
+                let ratio = |x: f64, y: f64| (y > 0.0).then(|| x / y);
                 let decode = rounds
                     .iter()
-                    .map(|(r, _)| ratio(r[i].decode_tok_s, r[n - 1].decode_tok_s))
+                    .filter_map(|(r, _)| ratio(r[i].decode_tok_s, r[n - 1].decode_tok_s))
                     .collect();
                 let prefill = rounds
                     .iter()
-                    .filter_map(|(r, _)| Some(ratio(r[i].prefill_tok_s?, r[n - 1].prefill_tok_s?)))
+                    .filter_map(|(r, _)| ratio(r[i].prefill_tok_s?, r[n - 1].prefill_tok_s?))
                     .collect();
                 (decode, prefill)
             })
@@ -611,7 +612,11 @@ fn report(
             .join(", ")
     };
     if let Some(p) = per_round {
-        for (r, (decode, prefill)) in rows.iter().zip(&p.vs_llama).take(rows.len() - 1) {
+        for (r, (decode, prefill)) in rows
+            .iter()
+            .zip(&p.vs_llama)
+            .take(rows.len().saturating_sub(1))
+        {
             println!(
                 "{}: each round's ratio to llama.cpp: decode {}; prefill {}",
                 r.config,
