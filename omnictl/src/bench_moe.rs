@@ -136,7 +136,7 @@ pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
         rounds.push(round(&a, &path, threads, expert_bytes, &mut ids)?);
     }
     let (rows, overlap, per_round) = combine(&a, rounds);
-    report(&a, &path, threads, &rows, overlap, per_round.as_ref())
+    report(&a, &path, threads, &rows, overlap, &per_round)
 }
 
 /// One round: each configuration's figures, llama.cpp's last, and the two
@@ -263,16 +263,9 @@ struct PerRound {
 }
 
 /// The rounds as one set of rows (each figure the median of the rounds'),
-/// the two streams' rates likewise, and, with several rounds and
-/// llama.cpp, each round's own ratios.
-fn combine(
-    a: &BenchMoeArgs,
-    mut rounds: Vec<Round>,
-) -> (Vec<Row>, Option<Overlaps>, Option<PerRound>) {
-    if rounds.len() == 1 {
-        let (rows, overlap) = rounds.remove(0);
-        return (rows, overlap, None);
-    }
+/// the two streams' rates likewise, and each round's own ratios (the ones
+/// reported, as their median).
+fn combine(a: &BenchMoeArgs, mut rounds: Vec<Round>) -> (Vec<Row>, Option<Overlaps>, PerRound) {
     let overlap_ratios = rounds
         .iter()
         .filter_map(|r| r.1.map(|o| o.on / o.off))
@@ -299,6 +292,10 @@ fn combine(
         vs_llama: vs_llama.unwrap_or_default(),
         overlap: overlap_ratios,
     };
+    if rounds.len() == 1 {
+        let (rows, overlap) = rounds.remove(0);
+        return (rows, overlap, per_round);
+    }
     let med = |f: &dyn Fn(&Round) -> Option<f64>| {
         let mut v: Vec<f64> = rounds.iter().filter_map(f).collect();
         (!v.is_empty()).then(|| median(&mut v))
@@ -344,7 +341,7 @@ fn combine(
             }
         })
         .collect();
-    (rows, overlap, Some(per_round))
+    (rows, overlap, per_round)
 }
 
 /// Two streams' aggregate decode rate, the stage pinned to one core and
@@ -518,41 +515,32 @@ fn report(
     threads: usize,
     rows: &[Row],
     overlap: Option<Overlaps>,
-    per_round: Option<&PerRound>,
+    per_round: &PerRound,
 ) -> anyhow::Result<()> {
-    let reference = rows
-        .last()
-        .filter(|_| a.llama_bench.is_some())
-        .map(|r| (r.decode_tok_s, r.prefill_tok_s));
-    // A row's ratios to llama.cpp: with rounds, the median of each round's.
-    let ratios = |i: usize, r: &Row| -> (Option<f64>, Option<f64>) {
-        if let Some(p) = per_round.filter(|p| !p.vs_llama.is_empty()) {
-            let m = |v: &[f64]| (!v.is_empty()).then(|| median(&mut v.to_vec()));
-            return (m(&p.vs_llama[i].0), m(&p.vs_llama[i].1));
-        }
-        let Some((decode, prefill)) = reference else {
-            return (None, None);
-        };
-        let vs = |x: f64, y: f64| (y > 0.0).then(|| x / y);
-        (
-            vs(r.decode_tok_s, decode),
-            r.prefill_tok_s.zip(prefill).and_then(|(x, y)| vs(x, y)),
-        )
+    // A row's ratios to llama.cpp: the median of each round's.
+    let ratios = |i: usize| -> (Option<f64>, Option<f64>) {
+        let m = |v: &[f64]| (!v.is_empty()).then(|| median(&mut v.to_vec()));
+        per_round
+            .vs_llama
+            .get(i)
+            .map_or((None, None), |(d, p)| (m(d), m(p)))
     };
+    // Each round's own figures are worth printing only with several.
+    let several = (a.rounds > 1).then_some(per_round);
     if a.json {
         let v: Vec<_> = rows
             .iter()
             .enumerate()
             .map(|(i, r)| {
                 let mut j = serde_json::to_value(r).unwrap_or_default();
-                let (decode, prefill) = ratios(i, r);
+                let (decode, prefill) = ratios(i);
                 if let Some(d) = decode {
                     j["decode_vs_llama_cpp"] = d.into();
                 }
                 if let Some(p) = prefill {
                     j["prefill_vs_llama_cpp"] = p.into();
                 }
-                if let Some((d, p)) = per_round.and_then(|p| p.vs_llama.get(i)) {
+                if let Some((d, p)) = several.and_then(|p| p.vs_llama.get(i)) {
                     j["decode_vs_llama_cpp_per_round"] = d.clone().into();
                     j["prefill_vs_llama_cpp_per_round"] = p.clone().into();
                 }
@@ -567,7 +555,7 @@ fn report(
                 "two_streams_own_cores": overlap.map(|o| serde_json::json!({
                     "overlap_off_tok_s": o.off, "overlap_shared_tok_s": o.shared,
                     "overlap_on_tok_s": o.on, "ratio": o.on / o.off,
-                    "ratio_per_round": per_round.map(|p| p.overlap.clone()),
+                    "ratio_per_round": several.map(|p| p.overlap.clone()),
                 })),
             }))?
         );
@@ -595,7 +583,7 @@ fn report(
     );
     let x = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}x"));
     for (i, r) in rows.iter().enumerate() {
-        let (decode, prefill) = ratios(i, r);
+        let (decode, prefill) = ratios(i);
         println!(
             "{:<32} {:>10.2} {:>9} {:>11} {:>9}",
             r.config,
@@ -611,7 +599,7 @@ fn report(
             .collect::<Vec<_>>()
             .join(", ")
     };
-    if let Some(p) = per_round {
+    if let Some(p) = several {
         for (r, (decode, prefill)) in rows
             .iter()
             .zip(&p.vs_llama)
@@ -665,7 +653,7 @@ fn report(
             shared / off,
             on / off
         );
-        if let Some(p) = per_round.filter(|p| !p.overlap.is_empty()) {
+        if let Some(p) = several.filter(|p| !p.overlap.is_empty()) {
             let m = median(&mut p.overlap.clone());
             println!(
                 "two streams: each round's on / off: {} (median {m:.2}x)",
