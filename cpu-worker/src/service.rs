@@ -4,11 +4,12 @@
 //! computes them for the stages that offloaded them, over shared memory
 //! (`Experts.OpenShm`) or gRPC (`Experts.Compute`).
 //!
-//! One compute thread owns the [`ExpertStage`] (and through it ggml's
-//! threads, pinned with the process); sessions hand it jobs and send its
-//! answers back, so calls from several stages are computed one at a time,
-//! each with every core of the node.
+//! One compute thread ([`crate::compute`]) owns the [`ExpertStage`] (and
+//! through it ggml's threads, pinned with the process) and every session:
+//! calls from several stages are computed one at a time, each with every
+//! core of the node.
 
+use crate::compute::{Computer, Session};
 use crate::numa::Binding;
 use omni_engine::{ExpertConfig, ExpertStage, ModelFile};
 use omni_proto::coordinator::v1::WorkerKind;
@@ -17,12 +18,11 @@ use omni_proto::worker::v1::{
     OpenShmRequest,
 };
 use omni_runtime::WorkerError;
-use omni_transport::experts::{accept_shm, decode_request, encode_reply, ring_bytes};
-use omni_transport::shm::ShmError;
+use omni_transport::experts::{accept_shm, ring_bytes};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -95,24 +95,17 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 /// What the worker counts (metrics).
 #[derive(Debug, Default)]
-struct Stats {
-    calls: AtomicU64,
-    tokens: AtomicU64,
-    compute_us: AtomicU64,
-    errors: AtomicU64,
-    bytes_in: AtomicU64,
-    bytes_out: AtomicU64,
+pub(crate) struct Stats {
+    pub calls: AtomicU64,
+    pub tokens: AtomicU64,
+    pub compute_us: AtomicU64,
+    pub errors: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
 }
 
-/// A call for the compute thread and where its answer goes.
-struct Job {
-    frame: Frame,
-    reply: Box<dyn FnOnce(Frame) + Send>,
-}
-
-/// The loaded experts: the compute thread's mailbox and what sessions need.
+/// The loaded experts (the compute thread has them): what sessions need.
 struct Loaded {
-    jobs: crossbeam_channel::Sender<Job>,
     ring: usize,
     layers: Vec<u32>,
     /// The request that loaded them and its reply (a new coordinator that
@@ -127,6 +120,7 @@ struct Worker {
     threads: usize,
     binding: String,
     loaded: Mutex<Option<Loaded>>,
+    computer: Computer,
     stats: Arc<Stats>,
     sessions: AtomicU64,
     stop: Arc<AtomicBool>,
@@ -177,15 +171,25 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         "expert worker {id} listening on {local}: {binding}, {threads} threads, {:.2} GiB offered",
         inventory.memory_free as f64 / (1u64 << 30) as f64
     );
+    let stats = Arc::<Stats>::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let computer = Computer::start(
+        &id,
+        &cfg.shm_dir,
+        &format!("omni-{id}-{}-doorbell", std::process::id()),
+        stats.clone(),
+        stop.clone(),
+    )?;
     let worker = Arc::new(Worker {
         id: id.clone(),
         cfg: cfg.clone(),
         threads,
         binding,
         loaded: Mutex::new(None),
-        stats: Arc::default(),
+        computer,
+        stats,
         sessions: AtomicU64::new(0),
-        stop: Arc::new(AtomicBool::new(false)),
+        stop,
     });
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
@@ -307,6 +311,7 @@ impl Worker {
         }
         // Free the previous experts first, so their memory is there for the new ones.
         *self.loaded.lock().unwrap() = None;
+        self.computer.set_experts(None);
         let model = ModelFile::open(&req.model_path).map_err(|e| fail(&e))?;
         let hp = &model.hparams;
         let n_embd = hp.n_embd as usize;
@@ -335,14 +340,8 @@ impl Worker {
             kept: false,
         };
         let layers = stage.layers().to_vec();
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let stats = self.stats.clone();
-        std::thread::Builder::new()
-            .name("experts".into())
-            .spawn(move || compute_loop(stage, n_embd, rx, stats))
-            .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?;
+        self.computer.set_experts(Some(stage));
         *self.loaded.lock().unwrap() = Some(Loaded {
-            jobs: tx,
             ring: ring_bytes(n_ubatch, n_embd, n_used),
             layers: layers.clone(),
             request: req.clone(),
@@ -354,35 +353,6 @@ impl Worker {
             reply.load_seconds
         );
         Ok(reply)
-    }
-
-    /// Hands a call to the compute thread; without experts loaded it is
-    /// answered at once with the reason.
-    fn submit(&self, frame: Frame, reply: Box<dyn FnOnce(Frame) + Send>) {
-        self.stats.bytes_in.fetch_add(
-            (frame.meta.len() + frame.payload.len()) as u64,
-            Ordering::Relaxed,
-        );
-        let guard = self.loaded.lock().unwrap();
-        match guard.as_ref() {
-            Some(l) => {
-                if let Err(e) = l.jobs.send(Job { frame, reply }) {
-                    let job = e.into_inner();
-                    (job.reply)(encode_reply(
-                        0,
-                        0,
-                        Err("the experts are being replaced"),
-                        Duration::ZERO,
-                    ));
-                }
-            }
-            None => reply(encode_reply(
-                0,
-                0,
-                Err(&format!("expert worker {} has no experts loaded", self.id)),
-                Duration::ZERO,
-            )),
-        }
     }
 
     fn render_metrics(&self) -> String {
@@ -442,44 +412,6 @@ impl Worker {
     }
 }
 
-/// The compute thread: one call at a time, in arrival order.
-fn compute_loop(
-    mut stage: ExpertStage,
-    n_embd: usize,
-    jobs: crossbeam_channel::Receiver<Job>,
-    stats: Arc<Stats>,
-) {
-    for job in jobs {
-        let t = Instant::now();
-        let (out, ok) = match decode_request(&job.frame, n_embd) {
-            Ok(req) => {
-                stats
-                    .tokens
-                    .fetch_add(req.n_tokens as u64, Ordering::Relaxed);
-                stage.set_batch_invariant(req.invariant);
-                match stage.run(req.layer, &req.x, &req.ids, &req.weights) {
-                    Ok(v) => (encode_reply(req.id, req.layer, Ok(&v), t.elapsed()), true),
-                    Err(e) => (
-                        encode_reply(req.id, req.layer, Err(&e.to_string()), t.elapsed()),
-                        false,
-                    ),
-                }
-            }
-            Err(e) => (encode_reply(0, 0, Err(&e), t.elapsed()), false),
-        };
-        let counter = if ok { &stats.calls } else { &stats.errors };
-        counter.fetch_add(1, Ordering::Relaxed);
-        stats
-            .compute_us
-            .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-        stats.bytes_out.fetch_add(
-            (out.meta.len() + out.payload.len()) as u64,
-            Ordering::Relaxed,
-        );
-        (job.reply)(out);
-    }
-}
-
 struct Svc(Arc<Worker>);
 
 type ReplyStream =
@@ -522,43 +454,30 @@ impl experts_server::Experts for Svc {
                     w.id
                 )))
             })?;
+        let doorbell = w.computer.doorbell().map_err(|why| {
+            Status::from(WorkerError::refused(format!(
+                "expert worker {} serves no shared-memory session: {why}",
+                w.id
+            )))
+        })?;
         let n = w.sessions.fetch_add(1, Ordering::Relaxed);
         let name = format!("omni-{}-{}-session-{n}", w.id, std::process::id());
-        let (mut rx, mut tx, ep) = accept_shm(&reply, &w.cfg.shm_dir, &name, ring)
+        let (rx, tx, ep) = accept_shm(&reply, &w.cfg.shm_dir, &name, ring)
             .map_err(|e| Status::from(WorkerError::refused(e.to_string())))?;
-        let client = req.client;
-        tracing::info!("{client} computes experts here over shared memory ({name})");
-        let stop = w.stop.clone();
-        std::thread::Builder::new()
-            .name(format!("shm-{n}"))
-            .spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let (meta, payload) = match rx.recv(Duration::from_millis(100)) {
-                        Ok(Some(f)) => f,
-                        Ok(None) => continue,
-                        Err(ShmError::PeerClosed { .. }) => break,
-                        Err(e) => {
-                            tracing::error!("expert session of {client}: {e}");
-                            break;
-                        }
-                    };
-                    let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-                    w.submit(
-                        Frame { meta, payload },
-                        Box::new(move |f| {
-                            let _ = done_tx.send(f);
-                        }),
-                    );
-                    let Ok(out) = done_rx.recv() else { break };
-                    if let Err(e) = tx.send(&out.meta, &out.payload, Duration::from_secs(10)) {
-                        tracing::warn!("expert session of {client}: cannot answer: {e}");
-                        break;
-                    }
-                }
-                tracing::info!("expert session of {client} ended");
-            })
-            .map_err(|e| Status::from(WorkerError::internal(e.to_string())))?;
-        Ok(Response::new(OpenShmReply { requests: Some(ep) }))
+        tracing::info!(
+            "{} computes experts here over shared memory ({name})",
+            req.client
+        );
+        w.computer.add_session(Session {
+            client: req.client,
+            name,
+            rx,
+            tx,
+        });
+        Ok(Response::new(OpenShmReply {
+            requests: Some(ep),
+            doorbell: Some(doorbell),
+        }))
     }
 
     type ComputeStream = ReplyStream;
@@ -575,7 +494,7 @@ impl experts_server::Experts for Svc {
             while let Some(frame) = calls.next().await {
                 let Ok(frame) = frame else { break };
                 let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-                w.submit(
+                w.computer.call(
                     frame,
                     Box::new(move |f| {
                         let _ = done_tx.send(f);

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use crate::error::EngineError;
-use crate::ffi::ggml::{self, CpuBackend, Ctx, GraphAllocator, TYPE_F32, TYPE_I32};
+use crate::ffi::ggml::{self, CpuBackend, Ctx, GraphAllocator, OwnedGraph, TYPE_F32, TYPE_I32};
 use crate::model::layers::Activation;
 use crate::model::moe::{moe_experts, Routing};
 use crate::model::{ModelFile, WeightOp};
@@ -100,7 +100,19 @@ pub struct ExpertStage {
     alloc: GraphAllocator,
     /// The results of `submit`s, until `wait` takes them, in order.
     pending: std::collections::VecDeque<Result<Vec<f32>, EngineError>>,
+    /// How long the last `run` took to build and allocate its graph.
+    graph_time: std::time::Duration,
+    /// Graphs built and allocated, by layer, tokens and experts per token,
+    /// with the compute buffer's size when each was allocated: a call of
+    /// the same shape computes the same graph again (a decode step's calls
+    /// come round layer after layer). A buffer of another size was
+    /// reallocated, and the graphs allocated in the old one are dropped.
+    graphs: std::collections::HashMap<(u32, usize, usize), (OwnedGraph, usize)>,
 }
+
+/// Most graphs an [`ExpertStage`] keeps before it starts again: a few call
+/// sizes for each of many layers, each graph a few tens of KB.
+const KEPT_GRAPHS: usize = 1024;
 
 impl ExpertStage {
     /// Maps (and repacks where llama.cpp would) the routed-expert tensors
@@ -148,12 +160,14 @@ impl ExpertStage {
             backend,
             alloc,
             pending: Default::default(),
+            graph_time: Default::default(),
+            graphs: Default::default(),
         };
         // Layers may differ in expert types (Q4_K_M mixes them): size for each.
         let n = stage.cfg.n_ubatch;
         let n_used = hp_n_used(&stage.model);
         for &il in &stage.layers.clone() {
-            let ctx = Ctx::new(ggml::GRAPH_NODES, true);
+            let ctx = Ctx::for_graph(graph_nodes(n_used));
             let graph = build(&stage.model, &stage.weights, &ctx, il, n, n_used);
             stage
                 .alloc
@@ -186,6 +200,11 @@ impl ExpertStage {
     /// Bytes of the compute buffer (sized for `n_ubatch` tokens).
     pub fn compute_bytes(&self) -> usize {
         self.alloc.buffer_size()
+    }
+    /// How long the last [`ExpertStage::run`] spent building and
+    /// allocating its graph (the rest of it is ggml computing).
+    pub fn graph_time(&self) -> std::time::Duration {
+        self.graph_time
     }
 
     /// The weighted sum of the selected experts' SiLU-gated FFNs of layer
@@ -248,28 +267,51 @@ impl ExpertStage {
                 moe.n_expert
             ));
         }
-        let ctx = Ctx::new(ggml::GRAPH_NODES, true);
-        let (graph, out) = build(&self.model, &self.weights, &ctx, layer, n, k);
-        self.alloc.alloc(&graph).map_err(EngineError::Ggml)?;
+        let t = std::time::Instant::now();
+        let key = (layer, n, k);
+        let size = self.alloc.buffer_size();
+        if !matches!(self.graphs.get(&key), Some((_, s)) if *s == size) {
+            if self.graphs.len() >= KEPT_GRAPHS {
+                self.graphs.clear();
+            }
+            let (model, weights) = (&self.model, &self.weights);
+            let g = OwnedGraph::build(Ctx::for_graph(graph_nodes(n_used)), |ctx| {
+                build(model, weights, ctx, layer, n, k)
+            });
+            self.alloc.alloc(&g.graph()).map_err(EngineError::Ggml)?;
+            let size = self.alloc.buffer_size();
+            self.graphs.retain(|_, (_, s)| *s == size);
+            self.graphs.insert(key, (g, size));
+        }
+        let g = &self.graphs[&key].0;
+        self.graph_time = t.elapsed();
         let set = |name: &str, f: &dyn Fn(ggml::Tensor<'_>)| {
-            if let Some(t) = ctx.get_tensor(name) {
+            if let Some(t) = g.ctx().get_tensor(name) {
                 f(t)
             }
         };
         set("inp_x", &|t| t.write(x));
         set("inp_ids", &|t| t.write(ids));
         set("inp_weights", &|t| t.write(weights));
-        self.backend.compute(&graph).map_err(EngineError::Ggml)?;
+        self.backend
+            .compute(&g.graph())
+            .map_err(EngineError::Ggml)?;
         let mut data = Vec::new();
-        out.read_f32(&mut data);
+        g.out().read_f32(&mut data);
         Ok(data)
     }
 }
 
+/// Room for one call's graph: the three matmuls and what joins them, and
+/// a view and an add per used expert, with margin.
+fn graph_nodes(n_used: usize) -> usize {
+    64 + 4 * n_used
+}
+
 /// The graph of one call: inputs `inp_x`, `inp_ids`, `inp_weights`.
 fn build<'g>(
-    model: &'g ModelFile,
-    store: &'g Weights,
+    model: &ModelFile,
+    store: &Weights,
     ctx: &'g Ctx,
     il: u32,
     n_tokens: usize,

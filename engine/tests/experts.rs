@@ -804,3 +804,41 @@ fn a_step_that_wants_no_logits_returns_none_and_changes_nothing() {
         }
     }
 }
+
+/// An expert stage keeps each call shape's graph and computes it again for
+/// the next call of that shape: calls that come round the layers and sizes
+/// (as a decode step's do, and an overlapped step's two groups) give, bit
+/// for bit, what a stage computing each call first of all gives.
+#[test]
+fn kept_graphs_compute_what_fresh_ones_do() {
+    let m = open("tiny-deepseek2-mla-q4_k_m");
+    let e = m.hparams.n_embd as usize;
+    let moe = m.hparams.moe.as_ref().unwrap();
+    let (n_used, n_expert) = (moe.n_expert_used as usize, moe.n_expert as usize);
+    let layers = moe_layers(&m);
+    let mut kept = ExpertStage::load(m.clone(), &layers, expert_config()).unwrap();
+    // (layer, tokens, experts per token), round and round.
+    let calls: Vec<(u32, usize, usize)> = (0..24)
+        .map(|i| {
+            let k = [n_used, n_used, n_used / 2][i / 8 % 3];
+            (layers[i % layers.len()], 1 + i % 3, k)
+        })
+        .collect();
+    for (i, &(layer, n, k)) in calls.iter().enumerate() {
+        let x: Vec<f32> = (0..n * e)
+            .map(|j| (((i * 31 + j * 17) % 97) as f32 - 48.0) / 50.0)
+            .collect();
+        // Distinct ids within each token, as the stage sends them.
+        let ids: Vec<i32> = (0..n)
+            .flat_map(|t| (0..k).map(move |u| ((t + i + u * 3) % n_expert) as i32))
+            .collect();
+        let w: Vec<f32> = (0..n * k).map(|j| 0.1 + (j % 5) as f32 * 0.05).collect();
+        let got = kept.run(layer, &x, &ids, &w).unwrap();
+        let mut fresh = ExpertStage::load(m.clone(), &layers, expert_config()).unwrap();
+        let want = fresh.run(layer, &x, &ids, &w).unwrap();
+        assert!(
+            got == want,
+            "call {i} (layer {layer}, {n} tokens, {k} experts each) differs from a fresh graph's"
+        );
+    }
+}

@@ -111,6 +111,35 @@ impl Worker {
             "Part of the expert calls' round trips the expert workers computed",
             ConstCounter::new(get(&calls.compute_us) as f64 / 1e6),
         );
+        for (name, help, v) in [
+            (
+                "expert_send_seconds",
+                "Part of the expert calls' round trips spent encoding and sending the requests",
+                &calls.send_us,
+            ),
+            (
+                "expert_transit_seconds",
+                "Part of the expert calls' round trips the frames spent between the processes, both ways (ring and wake-up, or network and gRPC)",
+                &calls.transit_us,
+            ),
+            (
+                "expert_to_worker_seconds",
+                "Of the transit, the requests' way to the expert workers (shared memory only)",
+                &calls.to_worker_us,
+            ),
+            (
+                "expert_handoff_seconds",
+                "Part of the expert calls' round trips the expert workers spent between a request in hand and its compute, and between the result and its answer",
+                &calls.handoff_us,
+            ),
+            (
+                "expert_graph_seconds",
+                "Of the experts' compute, building and allocating each call's graph",
+                &calls.graph_us,
+            ),
+        ] {
+            r.register(name, help, ConstCounter::new(get(v) as f64 / 1e6));
+        }
         r.register(
             "draft_seconds",
             "Time the draft model spent guessing tokens after the last stage's samples (--model-draft)",

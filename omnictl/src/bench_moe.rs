@@ -91,6 +91,28 @@ struct Breakdown {
     /// Routed expert weights read per token, and per second per core.
     expert_bytes: f64,
     expert_gb_s_core: f64,
+    /// One call's round trip, µs, in its parts (they add up to it).
+    call: CallParts,
+}
+
+/// Where one expert call's round trip went, µs.
+#[derive(Default, serde::Serialize, Clone, Copy)]
+struct CallParts {
+    /// The stage encoding and sending the request.
+    send_us: f64,
+    /// The request's way to the expert worker (the ring and its reader's
+    /// wake-up).
+    to_worker_us: f64,
+    /// The expert worker between the request in hand and its compute, and
+    /// between the result and its encoded answer.
+    handoff_us: f64,
+    /// Building and allocating the call's graph.
+    graph_us: f64,
+    /// ggml computing the experts.
+    math_us: f64,
+    /// The answer's way back to the stage (the ring, the stage's wake-up,
+    /// reading it).
+    to_stage_us: f64,
 }
 
 pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
@@ -321,6 +343,14 @@ fn combine(a: &BenchMoeArgs, mut rounds: Vec<Round>) -> (Vec<Row>, Option<Overla
                     calls_per_token: b(|x| x.calls_per_token),
                     expert_bytes: b(|x| x.expert_bytes),
                     expert_gb_s_core: b(|x| x.expert_gb_s_core),
+                    call: CallParts {
+                        send_us: b(|x| x.call.send_us),
+                        to_worker_us: b(|x| x.call.to_worker_us),
+                        handoff_us: b(|x| x.call.handoff_us),
+                        graph_us: b(|x| x.call.graph_us),
+                        math_us: b(|x| x.call.math_us),
+                        to_stage_us: b(|x| x.call.to_stage_us),
+                    },
                 }
             });
             let steps = rounds[0].0[i]
@@ -497,7 +527,23 @@ fn breakdown(
     let wait = d(|s| s.expert_wait_seconds);
     let compute = d(|s| s.expert_compute_seconds);
     let experts_ms = per(compute);
+    let calls = d(|s| s.expert_calls as f64).max(1.0);
+    let each = |x: f64| 1e6 * x / calls;
+    let (transit, to_worker, graph) = (
+        d(|s| s.expert_transit_seconds),
+        d(|s| s.expert_to_worker_seconds),
+        d(|s| s.expert_graph_seconds),
+    );
+    let call = CallParts {
+        send_us: each(d(|s| s.expert_send_seconds)),
+        to_worker_us: each(to_worker),
+        handoff_us: each(d(|s| s.expert_handoff_seconds)),
+        graph_us: each(graph),
+        math_us: each(compute - graph),
+        to_stage_us: each(transit - to_worker),
+    };
     Breakdown {
+        call,
         step_ms: per(d(|s| s.compute_seconds)),
         stage_ms: per(d(|s| s.compute_seconds) - wait),
         experts_ms,
@@ -631,6 +677,21 @@ fn report(
             1e3 * b.calls_ms / b.calls_per_token.max(1.0),
             omni_engine::fmt_bytes(b.expert_bytes as u64),
             b.expert_gb_s_core
+        );
+        let c = b.call;
+        println!(
+            "{}: an expert call, µs: the stage sends {:.0}, the request reaches the worker {:.0}, \
+             the worker hands it on {:.0}, builds its graph {:.0}, computes {:.0}, the answer \
+             reaches the stage {:.0}; the ring both ways (a MoE layer's latency besides the \
+             math): {:.0} µs",
+            r.config,
+            c.send_us,
+            c.to_worker_us,
+            c.handoff_us,
+            c.graph_us,
+            c.math_us,
+            c.to_stage_us,
+            c.to_worker_us + c.to_stage_us,
         );
     }
     for r in rows.iter().filter(|r| !r.steps.is_empty()) {

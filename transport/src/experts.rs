@@ -16,7 +16,7 @@
 //! decoded here for both ends.
 
 use crate::link::{LinkError, LinkStats, TransportChoice};
-use crate::shm::{RingReceiver, RingSender, ShmError};
+use crate::shm::{RingBell, RingReceiver, RingSender, ShmError};
 use omni_proto::worker::v1::{experts_client::ExpertsClient, Endpoint, ExpertCall, OpenShmRequest};
 use prost::Message;
 use std::path::Path;
@@ -87,7 +87,7 @@ impl ExpertRequest<'_> {
             n_used: self.n_used as u32,
             error: String::new(),
             invariant: self.invariant,
-            compute_us: 0,
+            ..Default::default()
         };
         let mut payload = Vec::with_capacity((self.x.len() + 2 * self.ids.len()) * 4);
         push_le(&mut payload, self.x, f32::to_le_bytes);
@@ -131,13 +131,46 @@ pub fn decode_request(frame: &Frame, n_embd: usize) -> Result<DecodedRequest, St
     })
 }
 
-/// The reply to request `id`: the result, or why there is none; and how
-/// long computing it took.
-pub fn encode_reply(id: u64, layer: u32, result: Result<&[f32], &str>, compute: Duration) -> Frame {
+/// This host's `CLOCK_MONOTONIC` in ns: the clock both ends of a
+/// shared-memory link read, so a frame's way from one to the other is a
+/// difference of two readings.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec on our stack; CLOCK_MONOTONIC exists
+    // on every Linux, so the call cannot fail.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// When the expert worker had a request in hand, began computing it and
+/// had its graph ready ([`monotonic_ns`]); the reply carries them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WorkerStamps {
+    pub received_ns: u64,
+    pub started_ns: u64,
+    pub built_ns: u64,
+}
+
+/// The reply to request `id`: the result, or why there is none; and when
+/// the worker had it, computed it and answered (the compute ends, and the
+/// answer is stamped, here).
+pub fn encode_reply(
+    id: u64,
+    layer: u32,
+    result: Result<&[f32], &str>,
+    stamps: WorkerStamps,
+) -> Frame {
+    let computed = monotonic_ns();
     let mut meta = ExpertCall {
         id,
         layer,
-        compute_us: compute.as_micros() as u64,
+        compute_us: computed.saturating_sub(stamps.started_ns) / 1000,
+        received_ns: stamps.received_ns,
+        started_ns: stamps.started_ns,
+        built_ns: stamps.built_ns,
         ..Default::default()
     };
     let mut payload = Vec::new();
@@ -145,6 +178,7 @@ pub fn encode_reply(id: u64, layer: u32, result: Result<&[f32], &str>, compute: 
         Ok(out) => push_le(&mut payload, out, f32::to_le_bytes),
         Err(e) => meta.error = e.to_string(),
     }
+    meta.replied_ns = monotonic_ns();
     Frame {
         meta: meta.encode_to_vec(),
         payload,
@@ -171,6 +205,9 @@ enum Kind {
     Shm {
         tx: RingSender,
         rx: RingReceiver,
+        /// Rung after each request: the worker sleeps on its doorbell,
+        /// not on our request ring.
+        bell: RingBell,
     },
     Grpc {
         tx: tokio::sync::mpsc::Sender<Frame>,
@@ -184,20 +221,80 @@ pub struct ExpertLink {
     worker: String,
     kind: Kind,
     next_id: u64,
-    /// The calls sent and not yet answered, oldest first: id, layer,
-    /// tokens and when each started.
-    pending: std::collections::VecDeque<(u64, u32, usize, Instant)>,
+    /// The calls sent and not yet answered, oldest first.
+    pending: std::collections::VecDeque<Pending>,
     pub stats: Arc<LinkStats>,
     pub timing: Arc<CallTiming>,
 }
 
-/// Where the time of a link's calls went, in µs since it opened.
+/// A call sent and not yet answered.
+struct Pending {
+    id: u64,
+    layer: u32,
+    n_tokens: usize,
+    /// Before its encoding.
+    started: Instant,
+    /// Once sent ([`monotonic_ns`]).
+    sent_ns: u64,
+    /// Encoding and sending it.
+    send: Duration,
+}
+
+/// Where the time of a link's calls went, in µs since it opened:
+/// `round_trip = send + transit + handoff + compute`.
 #[derive(Debug, Default)]
 pub struct CallTiming {
     /// From each request's start (before its encoding) to its answer read.
     pub round_trip_us: AtomicU64,
-    /// What the worker said it computed.
+    /// What the worker said it computed (its graph included).
     pub compute_us: AtomicU64,
+    /// Encoding and sending the requests.
+    pub send_us: AtomicU64,
+    /// The frames' way between the processes, both ways: the ring and the
+    /// reader's wake-up, or the network and gRPC (round trip less the
+    /// rest).
+    pub transit_us: AtomicU64,
+    /// Of `transit_us`, the requests' way alone: shared memory only, where
+    /// both ends read one clock.
+    pub to_worker_us: AtomicU64,
+    /// The worker's time between having a request and computing it, and
+    /// between the result and its encoded answer.
+    pub handoff_us: AtomicU64,
+    /// Of `compute_us`, the worker building and allocating the graphs.
+    pub graph_us: AtomicU64,
+}
+
+impl CallTiming {
+    /// Adds one answered call: `round_trip` and `send` measured here,
+    /// `sent_ns` this host's clock once the request was sent, and the
+    /// worker's stamps from the reply. `same_clock`: both ends read one
+    /// clock (shared memory), so the request's way can be told apart.
+    fn add(
+        &self,
+        call: &ExpertCall,
+        round_trip: Duration,
+        send: Duration,
+        sent_ns: u64,
+        same_clock: bool,
+    ) {
+        let us = |d: Duration| d.as_micros() as u64;
+        let add = |a: &AtomicU64, v: u64| a.fetch_add(v, Ordering::Relaxed);
+        let ns_us = |a: u64, b: u64| b.saturating_sub(a) / 1000;
+        let compute = call.compute_us;
+        let handoff = ns_us(call.received_ns, call.replied_ns).saturating_sub(compute);
+        let transit = us(round_trip).saturating_sub(us(send) + handoff + compute);
+        add(&self.round_trip_us, us(round_trip));
+        add(&self.compute_us, compute);
+        add(&self.send_us, us(send));
+        add(&self.transit_us, transit);
+        add(&self.handoff_us, handoff);
+        add(&self.graph_us, ns_us(call.started_ns, call.built_ns));
+        if same_clock && call.received_ns != 0 {
+            // Never more than both ways: clocks read a few ns apart.
+            let to_worker = ns_us(sent_ns, call.received_ns).min(transit);
+            add(&self.to_worker_us, to_worker);
+        }
+    }
 }
 
 impl ExpertLink {
@@ -224,8 +321,8 @@ impl ExpertLink {
             .max_decoding_message_size(256 << 20);
         if choice != TransportChoice::Grpc {
             match open_shm(&mut client_rpc, shm_dir, client, ring).await {
-                Ok((tx, rx)) => {
-                    return Ok(ExpertLink::new(worker, Kind::Shm { tx, rx }));
+                Ok((tx, rx, bell)) => {
+                    return Ok(ExpertLink::new(worker, Kind::Shm { tx, rx, bell }));
                 }
                 Err(why) if choice == TransportChoice::Shm => {
                     return Err(LinkError::ShmUnavailable(format!(
@@ -327,8 +424,12 @@ impl ExpertLink {
         }
         .encode();
         let n = (frame.meta.len() + frame.payload.len()) as u64;
+        // Stamped once the request is out of our hands and before the wake-up
+        // (which may hand this thread's core to the worker at once): the
+        // wake-up is the request's way, not its sending.
+        let (sent_ns, send);
         match &mut self.kind {
-            Kind::Shm { tx, .. } => {
+            Kind::Shm { tx, bell, .. } => {
                 tx.send(&frame.meta, &frame.payload, SEND_TIMEOUT)
                     .map_err(|e| match e {
                         ShmError::PeerClosed { .. } => ExpertLinkError::Gone {
@@ -336,7 +437,9 @@ impl ExpertLink {
                             why: e.to_string(),
                         },
                         e => e.into(),
-                    })?
+                    })?;
+                (sent_ns, send) = (monotonic_ns(), started.elapsed());
+                bell.ring();
             }
             Kind::Grpc { tx, rx } => {
                 if let Err(e) = tx.try_send(frame) {
@@ -351,11 +454,19 @@ impl ExpertLink {
                         why,
                     });
                 }
+                (sent_ns, send) = (monotonic_ns(), started.elapsed());
             }
         }
         self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         self.stats.bytes_sent.fetch_add(n, Ordering::Relaxed);
-        self.pending.push_back((id, layer, n_tokens, started));
+        self.pending.push_back(Pending {
+            id,
+            layer,
+            n_tokens,
+            started,
+            sent_ns,
+            send,
+        });
         Ok(())
     }
 
@@ -363,7 +474,7 @@ impl ExpertLink {
     /// floats. Gives up after `timeout`, and as soon as the worker is seen
     /// gone.
     pub fn wait(&mut self, timeout: Duration) -> Result<Vec<f32>, ExpertLinkError> {
-        let Some((id, layer, n_tokens, sent)) = self.pending.pop_front() else {
+        let Some(p) = self.pending.pop_front() else {
             return Err(ExpertLinkError::Protocol {
                 worker: self.worker.clone(),
                 why: "wait without a submitted call".into(),
@@ -410,12 +521,10 @@ impl ExpertLink {
         };
         let call = ExpertCall::decode(frame.meta.as_slice())
             .map_err(|e| protocol(format!("undecodable reply header: {e}")))?;
+        let same_clock = matches!(self.kind, Kind::Shm { .. });
         self.timing
-            .round_trip_us
-            .fetch_add(sent.elapsed().as_micros() as u64, Ordering::Relaxed);
-        self.timing
-            .compute_us
-            .fetch_add(call.compute_us, Ordering::Relaxed);
+            .add(&call, p.started.elapsed(), p.send, p.sent_ns, same_clock);
+        let (id, layer, n_tokens) = (p.id, p.layer, p.n_tokens);
         if call.id != id || call.layer != layer {
             return Err(protocol(format!(
                 "expected the reply to call {id} (layer {layer}), got call {} (layer {})",
@@ -440,13 +549,13 @@ impl ExpertLink {
 }
 
 /// Asks the worker to open a shared-memory session: our ring receives its
-/// replies, its ring our requests.
+/// replies, its ring our requests, and its doorbell is rung after each.
 async fn open_shm(
     rpc: &mut ExpertsClient<tonic::transport::Channel>,
     dir: &Path,
     client: &str,
     ring: usize,
-) -> Result<(RingSender, RingReceiver), String> {
+) -> Result<(RingSender, RingReceiver, RingBell), String> {
     let name = format!(
         "omni-{client}-experts-{}-{}",
         std::process::id(),
@@ -469,8 +578,13 @@ async fn open_shm(
     let ep = r
         .requests
         .ok_or("the worker's answer names no request ring")?;
+    let bell = r
+        .doorbell
+        .ok_or("the worker's answer names no doorbell (an older omni-cpu-worker?)")?;
+    let bell =
+        RingBell::open(Path::new(&bell.shm_path), bell.shm_token).map_err(|e| e.to_string())?;
     let tx = RingSender::open(Path::new(&ep.shm_path), ep.shm_token).map_err(|e| e.to_string())?;
-    Ok((tx, rx))
+    Ok((tx, rx, bell))
 }
 
 static SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -431,3 +431,76 @@ fn receiver_drop_removes_the_file() {
     drop(rx);
     assert!(!path.exists());
 }
+
+/// One thread reading several rings sleeps on a doorbell ring of its own
+/// (which carries no frames): senders on the other rings, each in a thread
+/// of its own with a bell opened by the doorbell's path and token, ring it
+/// after every frame, and the reader wakes for each and reads every ring in
+/// order; `ready` tells a ring with a frame (or a closed sender) from one
+/// without. A bell with the wrong token is refused as a sender would be.
+#[test]
+fn a_doorbell_wakes_one_reader_of_several_rings() {
+    use omni_transport::shm::{Received, RingBell};
+    let mut doorbell = RingReceiver::create(dir(), &unique("doorbell"), 64).unwrap();
+    let e = RingBell::open(doorbell.path(), doorbell.token() ^ 1)
+        .err()
+        .unwrap();
+    assert!(matches!(e, ShmError::TokenMismatch { .. }), "{e}");
+    const SENDERS: usize = 3;
+    const FRAMES: u64 = 200;
+    const CAP: usize = 1 << 16;
+    let mut rings: Vec<RingReceiver> = (0..SENDERS)
+        .map(|i| RingReceiver::create(dir(), &unique(&format!("session{i}")), CAP).unwrap())
+        .collect();
+    assert!(rings.iter().all(|r| !r.ready()));
+    let senders: Vec<_> = rings
+        .iter()
+        .map(|r| {
+            let mut tx = RingSender::open(r.path(), r.token()).unwrap();
+            let bell = RingBell::open(doorbell.path(), doorbell.token()).unwrap();
+            std::thread::spawn(move || {
+                for i in 0..FRAMES {
+                    let (meta, payload) = frame(i, CAP);
+                    tx.send(&meta, &payload, LONG).unwrap();
+                    bell.ring();
+                    // Now and then long enough for the reader to fall asleep.
+                    if i % 50 == 0 {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut next = [0u64; SENDERS];
+    let (mut meta, mut payload) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + LONG;
+    while next.iter().any(|&n| n < FRAMES) {
+        assert!(Instant::now() < deadline, "frames stopped at {next:?}");
+        for (i, rx) in rings.iter_mut().enumerate() {
+            // Ready may be a wrap marker whose frame is not yet written.
+            if next[i] < FRAMES
+                && rx.ready()
+                && rx
+                    .recv_into(&mut meta, &mut payload, Duration::ZERO)
+                    .unwrap()
+            {
+                assert_eq!((meta.clone(), payload.clone()), frame(next[i], CAP));
+                next[i] += 1;
+            }
+        }
+        let mut any = || rings.iter().any(|r| r.ready());
+        let r = doorbell
+            .recv_unless(&mut meta, &mut payload, LONG, &mut any)
+            .unwrap();
+        assert_ne!(r, Received::Frame, "nothing sends on the doorbell itself");
+    }
+    for s in senders {
+        s.join().unwrap();
+    }
+    // Each sender has dropped its end: its ring is ready, and reads closed.
+    for rx in &mut rings {
+        assert!(rx.ready());
+        let r = rx.recv(Duration::ZERO);
+        assert!(is_peer_closed(&r), "{r:?}");
+    }
+}

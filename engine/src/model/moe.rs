@@ -137,7 +137,7 @@ pub(crate) fn moe_experts<'g>(
     graph: &mut Graph<'g>,
     x: Tensor<'g>,
     r: &Routing<'g>,
-    [up_exps, gate_exps, down_exps]: [Tensor<'g>; 3],
+    [up_exps, gate_exps, down_exps]: [Tensor<'_>; 3],
     act: Activation,
     on_cpu: bool,
 ) -> Tensor<'g> {

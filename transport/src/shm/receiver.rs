@@ -240,6 +240,17 @@ impl RingReceiver {
         }
     }
 
+    /// Whether a frame, or the sender's close, waits to be read: one look
+    /// at the header, no system call. For a reader that watches several
+    /// rings while it sleeps on one's doorbell ([`RingBell::open`]). (What
+    /// waits may be the marker that sends a frame round the ring's end, the
+    /// frame not yet written: a read with no timeout may still find none.)
+    pub fn ready(&self) -> bool {
+        let h = self.ring.header();
+        h.write.0.load(Ordering::Acquire) != self.read
+            || h.peers.0.writer_closed.load(Ordering::Acquire) != 0
+    }
+
     /// A handle that wakes this receiver from another thread of this
     /// process; it keeps the mapping, not the file, alive.
     pub fn bell(&self) -> RingBell {

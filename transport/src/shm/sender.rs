@@ -42,6 +42,20 @@ unsafe impl Send for RingBell {}
 unsafe impl Sync for RingBell {}
 
 impl RingBell {
+    /// A bell for the ring at `path` (made by a receiver whose token is
+    /// `token`), rung from another process: a reader that waits on several
+    /// rings sleeps on one ring's doorbell ([`RingReceiver::recv_unless`]
+    /// with `woken` looking at the others), and whoever sends it a frame
+    /// on another ring rings this bell after the send. Any number of
+    /// processes may hold one; it sends nothing itself.
+    pub fn open(path: &Path, token: u64) -> Result<RingBell, ShmError> {
+        let (ring, _) = map_ring(path, token)?;
+        Ok(RingBell {
+            _map: ring.map.clone(),
+            base: ring.base,
+        })
+    }
+
     pub fn ring(&self) {
         // SAFETY: as in `Ring::header`: the mapping starts with the header,
         // is page-aligned and lives as long as `_map`.
@@ -104,73 +118,10 @@ impl RingSender {
     /// was made by a receiver whose token is not `token`, already has a
     /// sender, or its receiver is gone.
     pub fn open(path: &Path, token: u64) -> Result<RingSender, ShmError> {
+        let (ring, check_owner) = map_ring(path, token)?;
         let path = path.to_path_buf();
-        let io_err = |op, source| ShmError::Io {
-            op,
-            path: path.clone(),
-            source,
-        };
-        let not_a_ring = |detail: String| ShmError::NotARing {
-            path: path.clone(),
-            detail,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| io_err("open", e))?;
-        let len = file.metadata().map_err(|e| io_err("stat", e))?.len();
-        if len < HEADER_BYTES as u64 + MIN_CAPACITY as u64 {
-            return Err(not_a_ring(format!(
-                "it is {len} bytes, smaller than the smallest ring"
-            )));
-        }
-        // SAFETY: as in `RingReceiver::init`; the mapping is only accessed
-        // through raw pointers and atomics, and its length was read above.
-        let map = unsafe { MmapOptions::new().populate().map_mut(&file) }
-            .map_err(|e| io_err("map", e))?;
-        let capacity = len - HEADER_BYTES as u64;
-        let ring = Ring::new(path.clone(), map, capacity)?;
         let h = ring.header();
-        let magic = h.magic.load(Ordering::Acquire);
-        if magic != MAGIC {
-            return Err(not_a_ring(format!(
-                "magic is {:?}, expected \"OMNIRING\"",
-                String::from_utf8_lossy(&magic.to_le_bytes())
-            )));
-        }
-        let version = h.version.load(Ordering::Relaxed);
-        if version != VERSION {
-            return Err(not_a_ring(format!(
-                "layout version {version}, this build speaks version {VERSION}"
-            )));
-        }
-        let header_bytes = h.header_bytes.load(Ordering::Relaxed);
-        let cap_field = h.capacity.load(Ordering::Relaxed);
-        if header_bytes as usize != HEADER_BYTES
-            || cap_field != capacity
-            || !capacity.is_multiple_of(8)
-        {
-            return Err(not_a_ring(format!(
-                "header says {header_bytes} header bytes and capacity {cap_field}, \
-                 but the file is {len} bytes"
-            )));
-        }
-        let found = h.token.load(Ordering::Relaxed);
-        if found != token {
-            return Err(ShmError::TokenMismatch {
-                path,
-                expected: token,
-                found,
-            });
-        }
         let our_ns = pid_namespace();
-        let check_owner = our_ns != 0 && h.owner_pidns.load(Ordering::Relaxed) == our_ns;
-        if h.peers.0.reader_closed.load(Ordering::Acquire) != 0
-            || (check_owner && !pid_alive(h.owner_pid.load(Ordering::Relaxed)))
-        {
-            return Err(ring.closed("receiver"));
-        }
         if h.peers
             .0
             .writer_attached
@@ -340,4 +291,77 @@ impl Drop for RingSender {
         h.data_seq.0.fetch_add(1, Ordering::SeqCst);
         futex_wake(&h.data_seq.0);
     }
+}
+
+/// Maps the ring at `path` and checks that it is one, of this layout, made
+/// by a receiver whose token is `token` and who is still there. Returns the
+/// mapping and whether the owner's pid can be asked about (the same pid
+/// namespace).
+fn map_ring(path: &Path, token: u64) -> Result<(Ring, bool), ShmError> {
+    let path = path.to_path_buf();
+    let io_err = |op, source| ShmError::Io {
+        op,
+        path: path.clone(),
+        source,
+    };
+    let not_a_ring = |detail: String| ShmError::NotARing {
+        path: path.clone(),
+        detail,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| io_err("open", e))?;
+    let len = file.metadata().map_err(|e| io_err("stat", e))?.len();
+    if len < HEADER_BYTES as u64 + MIN_CAPACITY as u64 {
+        return Err(not_a_ring(format!(
+            "it is {len} bytes, smaller than the smallest ring"
+        )));
+    }
+    // SAFETY: as in `RingReceiver::init`; the mapping is only accessed
+    // through raw pointers and atomics, and its length was read above.
+    let map =
+        unsafe { MmapOptions::new().populate().map_mut(&file) }.map_err(|e| io_err("map", e))?;
+    let capacity = len - HEADER_BYTES as u64;
+    let ring = Ring::new(path.clone(), map, capacity)?;
+    let h = ring.header();
+    let magic = h.magic.load(Ordering::Acquire);
+    if magic != MAGIC {
+        return Err(not_a_ring(format!(
+            "magic is {:?}, expected \"OMNIRING\"",
+            String::from_utf8_lossy(&magic.to_le_bytes())
+        )));
+    }
+    let version = h.version.load(Ordering::Relaxed);
+    if version != VERSION {
+        return Err(not_a_ring(format!(
+            "layout version {version}, this build speaks version {VERSION}"
+        )));
+    }
+    let header_bytes = h.header_bytes.load(Ordering::Relaxed);
+    let cap_field = h.capacity.load(Ordering::Relaxed);
+    if header_bytes as usize != HEADER_BYTES || cap_field != capacity || !capacity.is_multiple_of(8)
+    {
+        return Err(not_a_ring(format!(
+            "header says {header_bytes} header bytes and capacity {cap_field}, \
+             but the file is {len} bytes"
+        )));
+    }
+    let found = h.token.load(Ordering::Relaxed);
+    if found != token {
+        return Err(ShmError::TokenMismatch {
+            path,
+            expected: token,
+            found,
+        });
+    }
+    let our_ns = pid_namespace();
+    let check_owner = our_ns != 0 && h.owner_pidns.load(Ordering::Relaxed) == our_ns;
+    if h.peers.0.reader_closed.load(Ordering::Acquire) != 0
+        || (check_owner && !pid_alive(h.owner_pid.load(Ordering::Relaxed)))
+    {
+        return Err(ring.closed("receiver"));
+    }
+    Ok((ring, check_owner))
 }

@@ -117,6 +117,8 @@ pub fn f16_to_f32(h: u16) -> f32 {
 /// A ggml context: an arena for tensor metadata (never data: always `no_alloc`).
 pub struct Ctx {
     raw: NonNull<sys::ggml_context>,
+    /// Nodes of the graph it has room for.
+    graph_nodes: usize,
 }
 
 // SAFETY: a context is only used from one thread at a time (we never share
@@ -137,24 +139,37 @@ impl Ctx {
     /// A context with room for `n_tensors` tensor headers (and one graph of
     /// [`GRAPH_NODES`] nodes when `with_graph`).
     pub fn new(n_tensors: usize, with_graph: bool) -> Ctx {
+        let nodes = if with_graph { GRAPH_NODES } else { 0 };
         // SAFETY: ggml allocates the arena itself (mem_buffer null).
-        unsafe { Self::init(ptr::null_mut(), Self::size(n_tensors, with_graph)) }
+        unsafe { Self::init(ptr::null_mut(), Self::size(n_tensors, nodes), nodes) }
     }
 
-    /// Bytes of metadata a context of `n_tensors` tensors (and a graph) needs.
-    fn size(n_tensors: usize, with_graph: bool) -> usize {
+    /// A context for one small graph of at most `nodes` nodes (and as many
+    /// tensors). Cheaper to make than `Ctx::new(GRAPH_NODES, true)`, and an
+    /// allocator that reserves for its graph clears a table sized by it on
+    /// every allocation (~400 KB for [`GRAPH_NODES`]): for graphs made per
+    /// call, such as an expert worker's.
+    pub fn for_graph(nodes: usize) -> Ctx {
+        // SAFETY: ggml allocates the arena itself (mem_buffer null).
+        unsafe { Self::init(ptr::null_mut(), Self::size(nodes, nodes), nodes) }
+    }
+
+    /// Bytes of metadata a context of `n_tensors` tensors (and a graph of
+    /// `nodes` nodes, if any) needs.
+    fn size(n_tensors: usize, nodes: usize) -> usize {
         // SAFETY: pure size queries.
         let mut size = n_tensors * unsafe { sys::ggml_tensor_overhead() };
-        if with_graph {
-            size += unsafe { sys::ggml_graph_overhead_custom(GRAPH_NODES, false) };
+        if nodes > 0 {
+            size += unsafe { sys::ggml_graph_overhead_custom(nodes, false) };
         }
         size
     }
 
     /// # Safety
     /// `mem` is null (ggml allocates `size` bytes itself), or `size` bytes,
-    /// 16-aligned, that nothing else uses while the context lives.
-    unsafe fn init(mem: *mut c_void, size: usize) -> Ctx {
+    /// 16-aligned, that nothing else uses while the context lives; `size`
+    /// has room for a graph of `graph_nodes` nodes.
+    unsafe fn init(mem: *mut c_void, size: usize, graph_nodes: usize) -> Ctx {
         init_logging();
         let params = sys::ggml_init_params {
             mem_size: size,
@@ -165,6 +180,7 @@ impl Ctx {
         let raw = unsafe { sys::ggml_init(params) };
         Ctx {
             raw: NonNull::new(raw).expect("ggml_init: out of memory"),
+            graph_nodes,
         }
     }
 
@@ -204,8 +220,12 @@ impl Ctx {
     }
 
     pub fn new_graph(&self) -> Graph<'_> {
-        // SAFETY: the context was sized with room for one graph.
-        let raw = unsafe { sys::ggml_new_graph_custom(self.raw.as_ptr(), GRAPH_NODES, false) };
+        assert!(
+            self.graph_nodes > 0,
+            "a context made without room for a graph"
+        );
+        // SAFETY: the context was sized with room for one graph of this size.
+        let raw = unsafe { sys::ggml_new_graph_custom(self.raw.as_ptr(), self.graph_nodes, false) };
         Graph {
             raw: NonNull::new(raw).expect("ggml context out of graph space"),
             _ctx: PhantomData,
@@ -262,7 +282,8 @@ struct ArenaBlock([u8; 64]);
 
 impl Default for GraphArena {
     fn default() -> Self {
-        let blocks = Ctx::size(GRAPH_NODES, true).div_ceil(std::mem::size_of::<ArenaBlock>());
+        let blocks =
+            Ctx::size(GRAPH_NODES, GRAPH_NODES).div_ceil(std::mem::size_of::<ArenaBlock>());
         GraphArena {
             ctx: None,
             kept: Cell::new(None),
@@ -282,7 +303,8 @@ impl GraphArena {
         let size = std::mem::size_of_val(&*self.mem);
         // SAFETY: `size` bytes, 64-aligned, owned by the arena for as long as
         // the context lives (it drops before `mem`, and before any reset).
-        self.ctx = Some(unsafe { Ctx::init(self.mem.as_mut_ptr() as *mut c_void, size) });
+        self.ctx =
+            Some(unsafe { Ctx::init(self.mem.as_mut_ptr() as *mut c_void, size, GRAPH_NODES) });
     }
 
     /// The context of the last [`GraphArena::reset`].
@@ -328,6 +350,47 @@ impl GraphArena {
                 _ctx: PhantomData,
             },
         ))
+    }
+}
+
+/// A graph built once in a context of its own and kept with it, for a
+/// caller that computes the same graph again with new inputs (an expert
+/// worker's calls: one graph per layer and call size). Its allocator must
+/// not have moved its tensors since it was allocated: the caller checks.
+pub struct OwnedGraph {
+    graph: NonNull<sys::ggml_cgraph>,
+    out: NonNull<sys::ggml_tensor>,
+    ctx: Ctx,
+}
+
+// SAFETY: the pointers point into `ctx`'s own memory, which moves with it;
+// used by one thread at a time, as a `Ctx`.
+unsafe impl Send for OwnedGraph {}
+
+impl OwnedGraph {
+    /// Builds in `ctx` the graph `build` returns, with its output.
+    pub fn build(ctx: Ctx, build: impl for<'c> FnOnce(&'c Ctx) -> (Graph<'c>, Tensor<'c>)) -> Self {
+        let (graph, out) = build(&ctx);
+        let (graph, out) = (graph.raw, out.raw);
+        OwnedGraph { graph, out, ctx }
+    }
+
+    pub fn ctx(&self) -> &Ctx {
+        &self.ctx
+    }
+
+    pub fn graph(&self) -> Graph<'_> {
+        Graph {
+            raw: self.graph,
+            _ctx: PhantomData,
+        }
+    }
+
+    pub fn out(&self) -> Tensor<'_> {
+        Tensor {
+            raw: self.out,
+            _ctx: PhantomData,
+        }
     }
 }
 
