@@ -83,16 +83,19 @@ pub struct Computer {
 
 impl Computer {
     /// Starts the compute thread of worker `id`, its doorbell a ring named
-    /// `doorbell` in `shm_dir`. It runs until `stop` is set.
+    /// `doorbell` in `shm_dir`; with nothing to do it spins for `spin`,
+    /// then sleeps. It runs until `stop` is set.
     pub fn start(
         id: &str,
         shm_dir: &Path,
         doorbell: &str,
+        spin: Duration,
         stats: Arc<Stats>,
         stop: Arc<AtomicBool>,
     ) -> std::io::Result<Computer> {
         let (ring, endpoint) = match RingReceiver::create(shm_dir, doorbell, 64) {
-            Ok(r) => {
+            Ok(mut r) => {
+                r.set_spin(spin);
                 let ep = Endpoint {
                     shm_path: r.path().display().to_string(),
                     shm_token: r.token(),
@@ -121,6 +124,8 @@ impl Computer {
             control: control_rx,
             jobs: jobs_rx,
             stop,
+            idle_since_ns: 0,
+            spin,
         };
         std::thread::Builder::new()
             .name("experts".into())
@@ -187,6 +192,12 @@ struct Thread {
     control: crossbeam_channel::Receiver<Control>,
     jobs: crossbeam_channel::Receiver<Job>,
     stop: Arc<AtomicBool>,
+    /// When the last call was answered ([`monotonic_ns`]; 0: none yet):
+    /// a request that came earlier waited for the thread, not for a
+    /// wake-up.
+    idle_since_ns: u64,
+    /// How long it spins before it sleeps.
+    spin: Duration,
 }
 
 impl Thread {
@@ -221,6 +232,7 @@ impl Thread {
                 busy = true;
                 let out = self.compute(&job.frame, job.received_ns);
                 (job.reply)(out);
+                self.idle_since_ns = monotonic_ns();
             }
             if busy {
                 continue;
@@ -242,7 +254,7 @@ impl Thread {
                         }
                     }
                 }
-                None => local.wait(IDLE_CHECK, omni_transport::shm::DEFAULT_SPIN, ready),
+                None => local.wait(IDLE_CHECK, self.spin, ready),
             };
             if !woken {
                 // A quiet spell: a stage that crashed never closes its ring,
@@ -267,10 +279,11 @@ impl Thread {
         {
             Ok(false) => return true,
             Ok(true) => {
-                let received_ns = monotonic_ns();
-                let out = compute(&self.id, &mut self.experts, &self.stats, frame, received_ns);
+                let out = self.compute(frame, monotonic_ns());
                 let s = &mut self.sessions[i];
-                match s.tx.send(&out.meta, &out.payload, REPLY_TIMEOUT) {
+                let sent = s.tx.send(&out.meta, &out.payload, REPLY_TIMEOUT);
+                self.idle_since_ns = monotonic_ns();
+                match sent {
                     Ok(()) => return true,
                     Err(e) => format!("cannot answer: {e}"),
                 }
@@ -288,23 +301,25 @@ impl Thread {
     }
 
     fn compute(&mut self, frame: &Frame, received_ns: u64) -> Frame {
-        compute(&self.id, &mut self.experts, &self.stats, frame, received_ns)
+        let stamps = WorkerStamps {
+            received_ns,
+            idle_since_ns: self.idle_since_ns,
+            ..Default::default()
+        };
+        compute(&self.id, &mut self.experts, &self.stats, frame, stamps)
     }
 }
 
-/// One call: decodes it, computes it with `experts`, and encodes the answer
-/// (or why there is none), counting it in `stats`.
+/// One call (`stamps`: when it was in hand and the thread last free):
+/// decodes it, computes it with `experts`, and encodes the answer (or why
+/// there is none), counting it in `stats`.
 fn compute(
     id: &str,
     experts: &mut Option<ExpertStage>,
     stats: &Stats,
     frame: &Frame,
-    received_ns: u64,
+    mut stamps: WorkerStamps,
 ) -> Frame {
-    let mut stamps = WorkerStamps {
-        received_ns,
-        ..Default::default()
-    };
     stats.bytes_in.fetch_add(
         (frame.meta.len() + frame.payload.len()) as u64,
         Ordering::Relaxed,
@@ -344,7 +359,7 @@ fn compute(
     };
     let counter = if ok { &stats.calls } else { &stats.errors };
     counter.fetch_add(1, Ordering::Relaxed);
-    let computed = monotonic_ns().saturating_sub(stamps.started_ns.max(received_ns));
+    let computed = monotonic_ns().saturating_sub(stamps.started_ns.max(stamps.received_ns));
     stats
         .compute_us
         .fetch_add(computed / 1000, Ordering::Relaxed);

@@ -57,6 +57,13 @@ pub struct CpuWorkerConfig {
     /// Where the shared-memory rings live.
     #[arg(long, default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
+    /// How long (µs) the compute thread spins for the next call before it
+    /// sleeps. Default: 2000 when this worker is pinned to some of the
+    /// machine's cores (`--numa-node` on a machine of several nodes,
+    /// `taskset`, a container's cpuset), else 50; a sleeping thread's
+    /// wake-up costs tens of µs or more a call.
+    #[arg(long)]
+    pub spin_us: Option<u64>,
     /// Prometheus metrics (GET /metrics) listen address.
     #[arg(long)]
     pub metrics_listen: Option<String>,
@@ -167,9 +174,14 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
     let binding = describe(&binding);
     let (listener, local) = omni_runtime::registry::listen(&cfg.listen, &cfg.coordinator).await?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| local.to_string());
+    let spin = cfg.spin_us.map_or_else(
+        || omni_transport::experts::spin_for(omni_telemetry::cpus::pinned()),
+        std::time::Duration::from_micros,
+    );
     tracing::info!(
-        "expert worker {id} listening on {local}: {binding}, {threads} threads, {:.2} GiB offered",
-        inventory.memory_free as f64 / (1u64 << 30) as f64
+        "expert worker {id} listening on {local}: {binding}, {threads} threads, {:.2} GiB offered; between calls it spins {} µs, then sleeps",
+        inventory.memory_free as f64 / (1u64 << 30) as f64,
+        spin.as_micros()
     );
     let stats = Arc::<Stats>::default();
     let stop = Arc::new(AtomicBool::new(false));
@@ -177,6 +189,7 @@ pub async fn run(cfg: CpuWorkerConfig, binding: Binding) -> anyhow::Result<()> {
         &id,
         &cfg.shm_dir,
         &format!("omni-{id}-{}-doorbell", std::process::id()),
+        spin,
         stats.clone(),
         stop.clone(),
     )?;

@@ -93,6 +93,13 @@ pub struct WorkerConfig {
     /// seconds (one that dies is noticed at once).
     #[arg(long, default_value_t = 60.0)]
     pub expert_timeout: f64,
+    /// How long (µs) a wait for an expert worker's answer over shared
+    /// memory spins before the stage's thread sleeps. Default: 2000 where
+    /// the thread has a core of its own (a GPU stage, or a process pinned
+    /// to some of the machine's cores), else 50; a sleeping thread's
+    /// wake-up costs tens of µs or more a call.
+    #[arg(long)]
+    pub expert_spin_us: Option<u64>,
     /// With --gpu-experts (set by the coordinator), re-read the routing
     /// statistics and move the most used experts here every this many steps.
     #[arg(long, default_value_t = 32)]
@@ -388,16 +395,23 @@ impl worker_server::Worker for Svc {
                     self.0.id
                 )))
             })?;
+            let spin = self.0.expert_spin();
             tracing::info!(
-                "the experts of layers {:?} run on {} ({}) over {}",
+                "the experts of layers {:?} run on {} ({}) over {}{}",
                 r.layers,
                 r.worker_id,
                 r.grpc_addr,
-                link.kind()
+                link.kind(),
+                if link.kind() == "shm" {
+                    format!(" (a wait spins {} µs, then sleeps)", spin.as_micros())
+                } else {
+                    String::new()
+                }
             );
             expert_transports.push(link.kind().to_string());
             let mut link = link;
             link.timing = self.0.stats.expert_calls.clone();
+            link.set_spin(spin);
             routes.push(experts::Route {
                 worker: r.worker_id,
                 layers: r.layers,
@@ -585,7 +599,8 @@ impl worker_server::Worker for Svc {
             expert_compute_seconds: seconds(&calls.compute_us),
             expert_send_seconds: seconds(&calls.send_us),
             expert_transit_seconds: seconds(&calls.transit_us),
-            expert_to_worker_seconds: seconds(&calls.to_worker_us),
+            expert_pickup_seconds: seconds(&calls.pickup_us),
+            expert_delivery_seconds: seconds(&calls.delivery_us),
             expert_handoff_seconds: seconds(&calls.handoff_us),
             expert_graph_seconds: seconds(&calls.graph_us),
             expert_wait_seconds: seconds(&w.stats.expert_wait_us),
@@ -596,6 +611,21 @@ impl worker_server::Worker for Svc {
 }
 
 impl Worker {
+    /// `--expert-spin-us`, or its default for this worker's device.
+    fn expert_spin(&self) -> Duration {
+        self.cfg.expert_spin_us.map_or_else(
+            || {
+                let gpu = self
+                    .inventory
+                    .device
+                    .parse::<omni_engine::Device>()
+                    .is_ok_and(|d| d.is_gpu());
+                omni_transport::experts::spin_for(gpu || omni_telemetry::cpus::pinned())
+            },
+            Duration::from_micros,
+        )
+    }
+
     fn exec(&self) -> Result<Arc<Exec>, Status> {
         self.state.lock().unwrap().exec.clone().ok_or_else(|| {
             Status::from(WorkerError::refused(format!(

@@ -119,13 +119,18 @@ impl Worker {
             ),
             (
                 "expert_transit_seconds",
-                "Part of the expert calls' round trips the frames spent between the processes, both ways (ring and wake-up, or network and gRPC)",
+                "Part of the expert calls' round trips between the processes: the frames' way both ways, a request queued behind another call, an answer waiting for the stage to read it",
                 &calls.transit_us,
             ),
             (
-                "expert_to_worker_seconds",
-                "Of the transit, the requests' way to the expert workers (shared memory only)",
-                &calls.to_worker_us,
+                "expert_pickup_seconds",
+                "Shared memory: from each request sent (or the expert worker's previous answer, if later) to the worker having it",
+                &calls.pickup_us,
+            ),
+            (
+                "expert_delivery_seconds",
+                "Shared memory: from each answer sent (or the stage starting to wait, if later) to the stage having it",
+                &calls.delivery_us,
             ),
             (
                 "expert_handoff_seconds",

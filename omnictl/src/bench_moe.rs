@@ -95,14 +95,14 @@ struct Breakdown {
     call: CallParts,
 }
 
-/// Where one expert call's round trip went, µs.
+/// Where one expert call's round trip went, µs (the parts add up to it).
 #[derive(Default, serde::Serialize, Clone, Copy)]
 struct CallParts {
     /// The stage encoding and sending the request.
     send_us: f64,
-    /// The request's way to the expert worker (the ring and its reader's
-    /// wake-up).
-    to_worker_us: f64,
+    /// From the request sent, or the worker free if later, to the worker
+    /// having it: the ring and a wake-up (shared memory).
+    pickup_us: f64,
     /// The expert worker between the request in hand and its compute, and
     /// between the result and its encoded answer.
     handoff_us: f64,
@@ -110,9 +110,77 @@ struct CallParts {
     graph_us: f64,
     /// ggml computing the experts.
     math_us: f64,
-    /// The answer's way back to the stage (the ring, the stage's wake-up,
-    /// reading it).
-    to_stage_us: f64,
+    /// From the answer sent, or the stage waiting if later, to the stage
+    /// having it (shared memory).
+    delivery_us: f64,
+    /// The rest: a frame waiting while the other end was busy (with two
+    /// calls out, the other group's call or the stage's compute).
+    queued_us: f64,
+}
+
+type Status = omni_proto::worker::v1::StatusReply;
+
+impl CallParts {
+    /// One call's parts, averaged over the calls between two readings of
+    /// the stages' Status.
+    fn between(before: &[Status], after: &[Status]) -> CallParts {
+        let d = |f: fn(&Status) -> f64| {
+            after.iter().map(f).sum::<f64>() - before.iter().map(f).sum::<f64>()
+        };
+        let each = |x: f64| 1e6 * x / d(|s| s.expert_calls as f64).max(1.0);
+        let (pickup, delivery, graph) = (
+            d(|s| s.expert_pickup_seconds),
+            d(|s| s.expert_delivery_seconds),
+            d(|s| s.expert_graph_seconds),
+        );
+        CallParts {
+            send_us: each(d(|s| s.expert_send_seconds)),
+            pickup_us: each(pickup),
+            handoff_us: each(d(|s| s.expert_handoff_seconds)),
+            graph_us: each(graph),
+            math_us: each(d(|s| s.expert_compute_seconds) - graph),
+            delivery_us: each(delivery),
+            queued_us: each(d(|s| s.expert_transit_seconds) - pickup - delivery).max(0.0),
+        }
+    }
+
+    /// Each part's median over several (rounds).
+    fn median(all: &[CallParts]) -> CallParts {
+        let m = |f: fn(&CallParts) -> f64| median(&mut all.iter().map(f).collect::<Vec<_>>());
+        CallParts {
+            send_us: m(|c| c.send_us),
+            pickup_us: m(|c| c.pickup_us),
+            handoff_us: m(|c| c.handoff_us),
+            graph_us: m(|c| c.graph_us),
+            math_us: m(|c| c.math_us),
+            delivery_us: m(|c| c.delivery_us),
+            queued_us: m(|c| c.queued_us),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!(
+            "an expert call, µs: the stage sends {:.0}, the request reaches the worker {:.0}, \
+             the worker hands it on {:.0}, builds its graph {:.0}, computes {:.0}, the answer \
+             reaches the stage {:.0}; the ring's latency both ways (a MoE layer's, besides the \
+             worker's work): {:.0} µs",
+            self.send_us,
+            self.pickup_us,
+            self.handoff_us,
+            self.graph_us,
+            self.math_us,
+            self.delivery_us,
+            self.pickup_us + self.delivery_us,
+        );
+        if self.queued_us >= 1.0 {
+            s.push_str(&format!(
+                "; {:.0} µs waiting while the other end was busy (the other group's call, the \
+                 stage's compute)",
+                self.queued_us
+            ));
+        }
+        s
+    }
 }
 
 pub fn run(a: BenchMoeArgs) -> anyhow::Result<()> {
@@ -326,6 +394,10 @@ fn combine(a: &BenchMoeArgs, mut rounds: Vec<Round>) -> (Vec<Row>, Option<Overla
         off: med(&|r| Some(r.1?.off)).unwrap_or(0.0),
         shared: med(&|r| Some(r.1?.shared)).unwrap_or(0.0),
         on: med(&|r| Some(r.1?.on)).unwrap_or(0.0),
+        calls: std::array::from_fn(|k| {
+            let all: Vec<CallParts> = rounds.iter().filter_map(|r| Some(r.1?.calls[k])).collect();
+            CallParts::median(&all)
+        }),
     });
     let n = rounds[0].0.len();
     let rows = (0..n)
@@ -343,14 +415,12 @@ fn combine(a: &BenchMoeArgs, mut rounds: Vec<Round>) -> (Vec<Row>, Option<Overla
                     calls_per_token: b(|x| x.calls_per_token),
                     expert_bytes: b(|x| x.expert_bytes),
                     expert_gb_s_core: b(|x| x.expert_gb_s_core),
-                    call: CallParts {
-                        send_us: b(|x| x.call.send_us),
-                        to_worker_us: b(|x| x.call.to_worker_us),
-                        handoff_us: b(|x| x.call.handoff_us),
-                        graph_us: b(|x| x.call.graph_us),
-                        math_us: b(|x| x.call.math_us),
-                        to_stage_us: b(|x| x.call.to_stage_us),
-                    },
+                    call: CallParts::median(
+                        &rounds
+                            .iter()
+                            .filter_map(|r| r.0[i].breakdown.map(|b| b.call))
+                            .collect::<Vec<_>>(),
+                    ),
                 }
             });
             let steps = rounds[0].0[i]
@@ -389,7 +459,7 @@ fn overlap_rates(
         "--overlap gives the stage and the expert worker a core each: this process may run on {} CPU",
         cpus.len()
     );
-    let mut rates = Vec::new();
+    let (mut rates, mut calls) = (Vec::new(), Vec::new());
     for overlap in ["off", "shared", "on"] {
         let listen = format!("127.0.0.1:{}", free_port()?);
         let up = UpArgs {
@@ -417,8 +487,12 @@ fn overlap_rates(
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            let mut runs = Vec::new();
+            let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
+            let (mut runs, mut before) = (Vec::new(), Vec::new());
             for i in 0..=a.runs {
+                if i == 1 {
+                    before = rt.block_on(crate::remote::statuses(&info))?;
+                }
                 let (p0, p1) = (ids.take(1), ids.take(1));
                 let (r0, r1) = rt.block_on(async {
                     tokio::join!(
@@ -430,33 +504,37 @@ fn overlap_rates(
                     runs.push(r0?.0 + r1?.0);
                 }
             }
-            let info = rt.block_on(crate::remote::info(&listen, Duration::from_secs(5)))?;
             let st = rt.block_on(crate::remote::statuses(&info))?;
             let overlapped: u64 = st.iter().map(|s| s.overlapped_steps).sum();
             anyhow::ensure!(
                 (overlap == "on") == (overlapped > 0),
                 "--expert-overlap {overlap}, yet {overlapped} steps overlapped"
             );
-            anyhow::Ok(median(&mut runs))
+            anyhow::Ok((median(&mut runs), CallParts::between(&before, &st)))
         })();
         cluster.stop();
-        let r = result.with_context(|| format!("two streams, --expert-overlap {overlap}"))?;
+        let (r, call) =
+            result.with_context(|| format!("two streams, --expert-overlap {overlap}"))?;
         eprintln!("2 streams, own cores, --expert-overlap {overlap}: {r:.2} tok/s in all");
         rates.push(r);
+        calls.push(call);
     }
     Ok(Overlaps {
         off: rates[0],
         shared: rates[1],
         on: rates[2],
+        calls: [calls[0], calls[1], calls[2]],
     })
 }
 
-/// Two streams' aggregate decode rates (`--overlap`), tok/s.
+/// Two streams' aggregate decode rates (`--overlap`), tok/s, and an expert
+/// call's parts in each (off, shared, on).
 #[derive(Clone, Copy)]
 struct Overlaps {
     off: f64,
     shared: f64,
     on: f64,
+    calls: [CallParts; 3],
 }
 
 /// Random token ids, as llama-bench uses: a new run never repeats a prompt.
@@ -527,21 +605,7 @@ fn breakdown(
     let wait = d(|s| s.expert_wait_seconds);
     let compute = d(|s| s.expert_compute_seconds);
     let experts_ms = per(compute);
-    let calls = d(|s| s.expert_calls as f64).max(1.0);
-    let each = |x: f64| 1e6 * x / calls;
-    let (transit, to_worker, graph) = (
-        d(|s| s.expert_transit_seconds),
-        d(|s| s.expert_to_worker_seconds),
-        d(|s| s.expert_graph_seconds),
-    );
-    let call = CallParts {
-        send_us: each(d(|s| s.expert_send_seconds)),
-        to_worker_us: each(to_worker),
-        handoff_us: each(d(|s| s.expert_handoff_seconds)),
-        graph_us: each(graph),
-        math_us: each(compute - graph),
-        to_stage_us: each(transit - to_worker),
-    };
+    let call = CallParts::between(before, after);
     Breakdown {
         call,
         step_ms: per(d(|s| s.compute_seconds)),
@@ -602,6 +666,8 @@ fn report(
                     "overlap_off_tok_s": o.off, "overlap_shared_tok_s": o.shared,
                     "overlap_on_tok_s": o.on, "ratio": o.on / o.off,
                     "ratio_per_round": several.map(|p| p.overlap.clone()),
+                    "expert_call_off": o.calls[0], "expert_call_shared": o.calls[1],
+                    "expert_call_on": o.calls[2],
                 })),
             }))?
         );
@@ -678,21 +744,7 @@ fn report(
             omni_engine::fmt_bytes(b.expert_bytes as u64),
             b.expert_gb_s_core
         );
-        let c = b.call;
-        println!(
-            "{}: an expert call, µs: the stage sends {:.0}, the request reaches the worker {:.0}, \
-             the worker hands it on {:.0}, builds its graph {:.0}, computes {:.0}, the answer \
-             reaches the stage {:.0}; the ring both ways (a MoE layer's latency besides the \
-             math): {:.0} µs",
-            r.config,
-            c.send_us,
-            c.to_worker_us,
-            c.handoff_us,
-            c.graph_us,
-            c.math_us,
-            c.to_stage_us,
-            c.to_worker_us + c.to_stage_us,
-        );
+        println!("{}: {}", r.config, b.call.describe());
     }
     for r in rows.iter().filter(|r| !r.steps.is_empty()) {
         let one = r.steps[0].1.max(1e-9);
@@ -707,7 +759,13 @@ fn report(
             each.join(", ")
         );
     }
-    if let Some(Overlaps { off, shared, on }) = overlap {
+    if let Some(Overlaps {
+        off,
+        shared,
+        on,
+        calls,
+    }) = overlap
+    {
         println!(
             "two streams, the stage and the expert worker on a core each: {on:.2} tok/s in all with \
              --expert-overlap on, {shared:.2} shared ({:.2}x), {off:.2} off ({:.2}x)",
@@ -720,6 +778,9 @@ fn report(
                 "two streams: each round's on / off: {} (median {m:.2}x)",
                 list(&p.overlap)
             );
+        }
+        for (mode, c) in ["off", "shared", "on"].iter().zip(calls) {
+            println!("two streams, --expert-overlap {mode}: {}", c.describe());
         }
     }
     Ok(())

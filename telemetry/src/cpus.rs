@@ -37,6 +37,23 @@ pub fn allowed() -> Vec<usize> {
         .unwrap_or_default()
 }
 
+/// The CPUs online on this machine, from `/sys`; empty when unknown.
+pub fn online() -> Vec<usize> {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|l| parse_cpulist(&l).ok())
+        .unwrap_or_default()
+}
+
+/// Whether this process may run on only some of the machine's CPUs
+/// (`taskset`, a NUMA binding, a container's cpuset): then it is taken to
+/// have those cores to itself, so a thread of it that waits may spin
+/// rather than sleep without slowing anyone.
+pub fn pinned() -> bool {
+    let (allowed, online) = (allowed(), online());
+    !allowed.is_empty() && allowed.len() < online.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -131,6 +131,40 @@ fn expert_spec(transport: &'static str, coordinator_args: &[&str]) -> ClusterSpe
     spec
 }
 
+/// Where the stages' expert calls went adds up: each round trip is its
+/// sending, transit, the worker's hand-off and its compute (graph
+/// included), to the µs each part is counted in; over shared memory each
+/// way's latency is part of the transit, over gRPC (two clocks, maybe on
+/// two hosts) neither is counted.
+fn check_call_parts(st: &[omni_proto::worker::v1::StatusReply], transport: &str) {
+    let sum = |f: fn(&omni_proto::worker::v1::StatusReply) -> f64| st.iter().map(f).sum::<f64>();
+    let calls = sum(|s| s.expert_calls as f64);
+    assert!(calls > 0.0, "{st:?}");
+    let round_trip = sum(|s| s.expert_round_trip_seconds);
+    let parts = sum(|s| s.expert_send_seconds)
+        + sum(|s| s.expert_transit_seconds)
+        + sum(|s| s.expert_handoff_seconds)
+        + sum(|s| s.expert_compute_seconds);
+    // Each part is whole µs of each call: at most a few µs a call apart.
+    assert!(
+        (round_trip - parts).abs() <= calls * 4e-6,
+        "round trips {round_trip} s against their parts {parts} s over {calls} calls"
+    );
+    let (pickup, delivery, transit) = (
+        sum(|s| s.expert_pickup_seconds),
+        sum(|s| s.expert_delivery_seconds),
+        sum(|s| s.expert_transit_seconds),
+    );
+    assert!(sum(|s| s.expert_graph_seconds) <= sum(|s| s.expert_compute_seconds));
+    if transport == "shm" {
+        assert!(pickup > 0.0 && delivery > 0.0, "{st:?}");
+        assert!(pickup + delivery <= transit + calls * 2e-6, "{st:?}");
+    } else {
+        assert_eq!((pickup, delivery), (0.0, 0.0), "{st:?}");
+        assert!(transit > 0.0, "{st:?}");
+    }
+}
+
 /// Every synthetic MoE model, split across two device workers with every
 /// MoE layer's routed experts on the expert worker, over shared memory and
 /// over gRPC: llama.cpp's greedy tokens for every fixture prompt and its
@@ -182,6 +216,7 @@ fn experts_on_a_cpu_worker_give_llama_cpp_tokens_over_shm_and_grpc() {
             let worst = check_teacher_forced(&c, name);
             let info = c.info().unwrap();
             assert!(info.expert_wait_samples > 0, "steps waited on c0");
+            check_call_parts(&c.statuses(), transport);
             eprintln!(
                 "{name}: experts on c0 over {transport}: llama.cpp's tokens, teacher-forced logprobs within {worst:.2e}; wait per step p50 {:.3} ms",
                 info.expert_wait_ms_p50

@@ -32,6 +32,24 @@ pub const MAX_OUTSTANDING: usize = 2;
 /// How long one send may wait for room in a ring.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long either end of an expert link spins for the other before it
+/// sleeps on its futex, when it has a core of its own (a GPU stage's host
+/// thread; a process pinned to its cores): a sleeping thread's wake-up
+/// cost 120-160 µs each way on a 2-vCPU VM with the two on cores of their
+/// own (`omnictl bench-moe --overlap`), and an R1 decode step on a big CPU
+/// answers each of its 58 calls within about a millisecond. Elsewhere the
+/// two may share cores, and the ring's default (50 µs) holds.
+pub const OWN_CORE_SPIN: Duration = Duration::from_millis(2);
+
+/// The spin for an end that has a core of its own (`own_core`) or not.
+pub fn spin_for(own_core: bool) -> Duration {
+    if own_core {
+        OWN_CORE_SPIN
+    } else {
+        crate::shm::DEFAULT_SPIN
+    }
+}
+
 /// Bytes of the ring for one link: `n_ubatch` tokens of input plus ids and
 /// weights, twice, and room for the header.
 pub fn ring_bytes(n_ubatch: usize, n_embd: usize, n_used: usize) -> usize {
@@ -146,12 +164,15 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// When the expert worker had a request in hand, began computing it and
-/// had its graph ready ([`monotonic_ns`]); the reply carries them.
+/// had its graph ready, and when it was last free ([`monotonic_ns`]); the
+/// reply carries them.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WorkerStamps {
     pub received_ns: u64,
     pub started_ns: u64,
     pub built_ns: u64,
+    /// When the worker had answered its call before this one (0: none).
+    pub idle_since_ns: u64,
 }
 
 /// The reply to request `id`: the result, or why there is none; and when
@@ -171,6 +192,7 @@ pub fn encode_reply(
         received_ns: stamps.received_ns,
         started_ns: stamps.started_ns,
         built_ns: stamps.built_ns,
+        idle_since_ns: stamps.idle_since_ns,
         ..Default::default()
     };
     let mut payload = Vec::new();
@@ -250,13 +272,18 @@ pub struct CallTiming {
     pub compute_us: AtomicU64,
     /// Encoding and sending the requests.
     pub send_us: AtomicU64,
-    /// The frames' way between the processes, both ways: the ring and the
-    /// reader's wake-up, or the network and gRPC (round trip less the
-    /// rest).
+    /// The rest of the round trips, between the processes: the frames'
+    /// way both ways (a ring and a wake-up, or the network and gRPC), and
+    /// with two calls out (an overlapped step) a request queued behind the
+    /// other or an answer waiting while the stage computes.
     pub transit_us: AtomicU64,
-    /// Of `transit_us`, the requests' way alone: shared memory only, where
-    /// both ends read one clock.
-    pub to_worker_us: AtomicU64,
+    /// Shared memory only (one clock on both ends): from each request sent,
+    /// or the worker's previous answer if that came later, to the worker
+    /// having it in hand: the request's latency, a ring and a wake-up.
+    pub pickup_us: AtomicU64,
+    /// Shared memory only: from each answer sent, or the stage starting to
+    /// wait for it if that came later, to the stage having it.
+    pub delivery_us: AtomicU64,
     /// The worker's time between having a request and computing it, and
     /// between the result and its encoded answer.
     pub handoff_us: AtomicU64,
@@ -264,35 +291,42 @@ pub struct CallTiming {
     pub graph_us: AtomicU64,
 }
 
+/// One answered call as the caller saw it ([`monotonic_ns`] stamps, apart
+/// from the two durations).
+struct Answered {
+    round_trip: Duration,
+    send: Duration,
+    /// Once the request was sent.
+    sent_ns: u64,
+    /// When the caller began waiting for the answer.
+    waiting_ns: u64,
+    /// When it had the answer.
+    got_ns: u64,
+}
+
 impl CallTiming {
-    /// Adds one answered call: `round_trip` and `send` measured here,
-    /// `sent_ns` this host's clock once the request was sent, and the
-    /// worker's stamps from the reply. `same_clock`: both ends read one
-    /// clock (shared memory), so the request's way can be told apart.
-    fn add(
-        &self,
-        call: &ExpertCall,
-        round_trip: Duration,
-        send: Duration,
-        sent_ns: u64,
-        same_clock: bool,
-    ) {
+    /// Adds one answered call: the caller's view `a` and the worker's
+    /// stamps from the reply. `same_clock`: both ends read one clock
+    /// (shared memory), so each way's latency can be told apart.
+    fn add(&self, call: &ExpertCall, a: &Answered, same_clock: bool) {
         let us = |d: Duration| d.as_micros() as u64;
-        let add = |a: &AtomicU64, v: u64| a.fetch_add(v, Ordering::Relaxed);
-        let ns_us = |a: u64, b: u64| b.saturating_sub(a) / 1000;
+        let add = |c: &AtomicU64, v: u64| c.fetch_add(v, Ordering::Relaxed);
+        let ns_us = |from: u64, to: u64| to.saturating_sub(from) / 1000;
         let compute = call.compute_us;
         let handoff = ns_us(call.received_ns, call.replied_ns).saturating_sub(compute);
-        let transit = us(round_trip).saturating_sub(us(send) + handoff + compute);
-        add(&self.round_trip_us, us(round_trip));
+        let transit = us(a.round_trip).saturating_sub(us(a.send) + handoff + compute);
+        add(&self.round_trip_us, us(a.round_trip));
         add(&self.compute_us, compute);
-        add(&self.send_us, us(send));
+        add(&self.send_us, us(a.send));
         add(&self.transit_us, transit);
         add(&self.handoff_us, handoff);
         add(&self.graph_us, ns_us(call.started_ns, call.built_ns));
         if same_clock && call.received_ns != 0 {
-            // Never more than both ways: clocks read a few ns apart.
-            let to_worker = ns_us(sent_ns, call.received_ns).min(transit);
-            add(&self.to_worker_us, to_worker);
+            // Neither more than the transit: clocks read a few ns apart.
+            let pickup = ns_us(a.sent_ns.max(call.idle_since_ns), call.received_ns);
+            let delivery = ns_us(call.replied_ns.max(a.waiting_ns), a.got_ns);
+            add(&self.pickup_us, pickup.min(transit));
+            add(&self.delivery_us, delivery.min(transit));
         }
     }
 }
@@ -373,6 +407,14 @@ impl ExpertLink {
             pending: Default::default(),
             stats: Arc::default(),
             timing: Arc::default(),
+        }
+    }
+
+    /// How long a wait for an answer over shared memory spins before it
+    /// sleeps ([`spin_for`]).
+    pub fn set_spin(&mut self, spin: Duration) {
+        if let Kind::Shm { rx, .. } = &mut self.kind {
+            rx.set_spin(spin);
         }
     }
 
@@ -474,6 +516,7 @@ impl ExpertLink {
     /// floats. Gives up after `timeout`, and as soon as the worker is seen
     /// gone.
     pub fn wait(&mut self, timeout: Duration) -> Result<Vec<f32>, ExpertLinkError> {
+        let waiting_ns = monotonic_ns();
         let Some(p) = self.pending.pop_front() else {
             return Err(ExpertLinkError::Protocol {
                 worker: self.worker.clone(),
@@ -510,6 +553,7 @@ impl ExpertLink {
                 }
             },
         };
+        let got_ns = monotonic_ns();
         self.stats.frames_received.fetch_add(1, Ordering::Relaxed);
         self.stats.bytes_received.fetch_add(
             (frame.meta.len() + frame.payload.len()) as u64,
@@ -521,9 +565,15 @@ impl ExpertLink {
         };
         let call = ExpertCall::decode(frame.meta.as_slice())
             .map_err(|e| protocol(format!("undecodable reply header: {e}")))?;
+        let answered = Answered {
+            round_trip: p.started.elapsed(),
+            send: p.send,
+            sent_ns: p.sent_ns,
+            waiting_ns,
+            got_ns,
+        };
         let same_clock = matches!(self.kind, Kind::Shm { .. });
-        self.timing
-            .add(&call, p.started.elapsed(), p.send, p.sent_ns, same_clock);
+        self.timing.add(&call, &answered, same_clock);
         let (id, layer, n_tokens) = (p.id, p.layer, p.n_tokens);
         if call.id != id || call.layer != layer {
             return Err(protocol(format!(
