@@ -16,6 +16,7 @@
 //! decoded here for both ends.
 
 use crate::link::{LinkError, LinkStats, TransportChoice};
+pub use crate::shm::monotonic_ns;
 use crate::shm::{RingBell, RingReceiver, RingSender, ShmError};
 use omni_proto::worker::v1::{experts_client::ExpertsClient, Endpoint, ExpertCall, OpenShmRequest};
 use prost::Message;
@@ -147,20 +148,6 @@ pub fn decode_request(frame: &Frame, n_embd: usize) -> Result<DecodedRequest, St
         weights: f32s(weights),
         invariant: call.invariant,
     })
-}
-
-/// This host's `CLOCK_MONOTONIC` in ns: the clock both ends of a
-/// shared-memory link read, so a frame's way from one to the other is a
-/// difference of two readings.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec on our stack; CLOCK_MONOTONIC exists
-    // on every Linux, so the call cannot fail.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// When the expert worker had a request in hand, began computing it and

@@ -283,6 +283,20 @@ pub fn looks_stale(path: &Path) -> bool {
         && !pid_alive(pid)
 }
 
+/// This host's `CLOCK_MONOTONIC` in ns: the clock both ends of a ring
+/// read (whatever their processes or containers), so a frame's way from
+/// one to the other is a difference of two readings.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec on our stack; CLOCK_MONOTONIC exists
+    // on every Linux, so the call cannot fail.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 fn deadline_after(now: Instant, timeout: Duration) -> Instant {
     now.checked_add(timeout)
         .or_else(|| now.checked_add(Duration::from_secs(1 << 32)))
