@@ -33,15 +33,17 @@ impl Found {
 
 /// Functions built with `#[target_feature]` that their crate calls only after
 /// checking the CPU at run time (demangled names, without the hash).
-const RUN_TIME_DISPATCHED: [&str; 6] = [
+const RUN_TIME_DISPATCHED: [&str; 7] = [
     // crc32fast (gzip in omnictl's fetch and the HTTP client): chosen by
     // `is_x86_feature_detected!("avx512f")` and `("vpclmulqdq")`.
     "crc32fast::specialized::pclmulqdq::calculate_avx512",
     // omni's expert kernel (engine/src/ffi/ggml/experts_kernel.rs): reached
-    // only through `x86::dots`, from the op that `Ctx::expert_matmuls` puts
-    // in a graph after `available()` found AVX-512 F/BW/VL, VNNI, F16C and
-    // FMA with `is_x86_feature_detected!` (and its helpers, where not inlined).
+    // only through `x86::dots` and `x86::dots_x8`, from the ops that
+    // `Ctx::expert_matmuls` and `Ctx::matmul` put in a graph after
+    // `available()` found AVX-512 F/BW/VL, VNNI, F16C and FMA with
+    // `is_x86_feature_detected!` (and its helpers, where not inlined).
     "omni_engine::ffi::ggml::experts_kernel::x86::q4_k",
+    "omni_engine::ffi::ggml::experts_kernel::x86::q4_kx8",
     "omni_engine::ffi::ggml::experts_kernel::x86::q6_k",
     "omni_engine::ffi::ggml::experts_kernel::x86::totals",
     "omni_engine::ffi::ggml::experts_kernel::x86::hsum256",

@@ -337,17 +337,17 @@ pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) ->
 
     let cur = cx.rms_norm(x, cx.w(il, "attn_norm.weight"));
     let q = if m.q_lora_rank > 0 {
-        let q = g.mul_mat(cx.w(il, "attn_q_a.weight"), cur);
+        let q = cx.mm(cx.w(il, "attn_q_a.weight"), cur);
         let q = cx.rms_norm(q, cx.w(il, "attn_q_a_norm.weight"));
-        g.mul_mat(cx.w(il, "attn_q_b.weight"), q)
+        cx.mm(cx.w(il, "attn_q_b.weight"), q)
     } else {
-        g.mul_mat(cx.w(il, "attn_q.weight"), cur)
+        cx.mm(cx.w(il, "attn_q.weight"), cur)
     };
     let q = g.reshape(q, &[nope + rope, n_head, nt]);
 
     // The latent `[kv_lora_rank, n_tokens]` and the shared roped key part
     // `[rope, 1, n_tokens]`, both views of one projection.
-    let kv_cmpr_pe = g.mul_mat(cx.w(il, "attn_kv_a_mqa.weight"), cur);
+    let kv_cmpr_pe = cx.mm(cx.w(il, "attn_kv_a_mqa.weight"), cur);
     let ty = kv_cmpr_pe.ty();
     let row = row_size(ty, kv_lora + rope);
     let kv_cmpr = g.view(kv_cmpr_pe, &[kv_lora, nt], &[row], 0);
@@ -379,7 +379,7 @@ pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) ->
         let k_cur = g.concat(kv_cmpr, k_pe, 0); // [kv_lora + rope, 1, n_tokens]
         attention_absorbed(cx, il, q_cur, k_cur, kv_cmpr)
     } else {
-        let kv = g.mul_mat(cx.w(il, "attn_kv_b.weight"), kv_cmpr); // [n_head * (nope + v), n_tokens]
+        let kv = cx.mm(cx.w(il, "attn_kv_b.weight"), kv_cmpr); // [n_head * (nope + v), n_tokens]
         let kty = kv.ty();
         let row = row_size(kty, nope + v_dim);
         let k_nope = g.view(kv, &[nope, n_head, nt], &[row, row * n_head as usize], 0);
@@ -396,7 +396,7 @@ pub(crate) fn moe_input<'g>(cx: &mut LayerCx<'g, '_>, il: u32, x: Tensor<'g>) ->
         let k_cur = g.concat(k_nope, k_pe, 0); // [nope + rope, n_head, n_tokens]
         cx.attention(il, q_cur, k_cur, v_cur, hp.attn_scale)
     };
-    let attn = g.mul_mat(cx.w(il, "attn_output.weight"), attn);
+    let attn = cx.mm(cx.w(il, "attn_output.weight"), attn);
     let [attn, x] = cx.select_outputs([attn, x]);
     let ffn_inp = g.add(attn, x);
 

@@ -45,9 +45,15 @@ impl<'g> LayerCx<'g, '_> {
         self.g.mul(n, w)
     }
 
+    /// `mul_mat(w, x)` of a layer's matrix: omni's kernel where it gives
+    /// ggml's bits and the stage computes on the CPU ([`Ctx::matmul`]).
+    pub fn mm(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
+        self.g.matmul(w, x, !self.weights.on_device)
+    }
+
     /// `x @ W (+ b)`.
     pub fn linear(&self, x: Tensor<'g>, w: Tensor<'g>, b: Option<Tensor<'g>>) -> Tensor<'g> {
-        let y = self.g.mul_mat(w, x);
+        let y = self.mm(w, x);
         match b {
             Some(b) => self.g.add(y, b),
             None => y,
@@ -203,13 +209,13 @@ impl<'g> LayerCx<'g, '_> {
         act: Activation,
         [up, gate, down]: [&str; 3],
     ) -> Tensor<'g> {
-        let up = self.g.mul_mat(self.w(il, up), x);
-        let gate = self.g.mul_mat(self.w(il, gate), x);
+        let up = self.mm(self.w(il, up), x);
+        let gate = self.mm(self.w(il, gate), x);
         let h = match act {
             Activation::Silu => self.g.swiglu_split(gate, up),
             Activation::GeluTanh => self.g.geglu_split(gate, up),
         };
-        self.g.mul_mat(self.w(il, down), h)
+        self.mm(self.w(il, down), h)
     }
 }
 

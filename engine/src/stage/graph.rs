@@ -333,7 +333,9 @@ impl GraphParts<'_> {
                 .get("output.weight")
                 .or_else(|| self.weights.get("token_embd.weight"))
                 .expect("loaded");
-            x = ctx.mul_mat(out_w, x);
+            // Omni's kernel where it gives ggml's bits on the CPU (a
+            // Q4_K_M file's Q6_K head: R1's 0.76 GB a token).
+            x = ctx.matmul(out_w, x, !self.weights.on_device);
             if let Some(cap) = hp.final_logit_softcap {
                 x = ctx.scale(ctx.tanh(ctx.scale(x, 1.0 / cap)), cap);
             }

@@ -1,6 +1,8 @@
 //! The routed experts' matmul on the CPU, ours: `mul_mat_id` of Q4_K and
 //! Q6_K expert weights (what a Q4_K_M file's experts are) with AVX-512
-//! VNNI, run by ggml's CPU backend as two custom ops.
+//! VNNI, run by ggml's CPU backend as custom ops; and, in a CPU stage's
+//! decoding steps, its own Q6_K and (repacked) Q4_K matrices
+//! ([`Ctx::matmul`]), for the speed of the prefetch below.
 //!
 //! Written here rather than taken from ggml for what ggml's op cannot do:
 //! read Q4_K experts where the file maps them (its fast Q4_K kernel wants
@@ -8,9 +10,12 @@
 //! multiply a row by every token that chose its expert while the row is in
 //! cache (its op reads the row once per token). ggml's kernels for these
 //! types on x86 are AVX2 (`ggml_gemv_q4_K_8x8_q8_K`,
-//! `ggml_vec_dot_q6_K_q8_K`); here one `vpdpbusd` multiplies 64 weights by
-//! 64 activations. For one decode token memory binds both about alike
-//! (docs/benchmarks.md).
+//! `ggml_vec_dot_q6_K_q8_K`); here `vpmaddubsw` multiplies 64 weights by
+//! 64 activations and `vpdpwssd` adds each pair, times its scale, into
+//! 32-bit sums, and each row is prefetched a row ahead ([`x86::AHEAD`]):
+//! for one decode token ours reads its experts 1.4-1.6x as fast as ggml's
+//! on an Emerald Rapids VM, where both had been bound alike by what one
+//! core's hardware prefetcher fetched (docs/benchmarks.md).
 //!
 //! - `quantize` (one op per activation tensor, shared by the matmuls that
 //!   read it) turns each F32 row into blocks of 256 `i8` exactly as ggml's
@@ -44,6 +49,12 @@ const ACT_D: usize = 288;
 /// Bytes of ggml's `block_q4_K` and `block_q6_K`.
 const Q4_K_BLOCK: usize = 144;
 const Q6_K_BLOCK: usize = 210;
+/// Bytes of ggml's `block_q4_Kx8`: a block of eight rows of a Q4_K matrix
+/// that its loader repacked for its AVX2 kernels.
+const Q4_KX8_BLOCK: usize = 1152;
+/// Tokens a step has at most for ours on a repacked Q4_K matrix: from 4,
+/// ggml runs its repacked gemm, which ours does not follow.
+const X8_TOKENS: usize = 3;
 
 /// The weight types ours computes, each with its activation layout.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -59,6 +70,11 @@ impl Kind {
             sys::GGML_TYPE_Q6_K => Some(Kind::Q6K),
             _ => None,
         }
+    }
+
+    /// The kind as an op's user data (read back by [`Kind::from_userdata`]).
+    fn userdata(self) -> *mut c_void {
+        self as usize as *mut c_void
     }
 
     fn from_userdata(u: *mut c_void) -> Kind {
@@ -92,10 +108,63 @@ pub fn available() -> bool {
     })
 }
 
+/// Whether ggml's CPU backend computes a K-quant matmul of `rows` rows
+/// (a matrix's activation rows, or the rows routed to one expert) on a
+/// matrix in the file's layout with its tiled kernel (`ggml-cpu/tiled`:
+/// from 8 rows, unless `GGML_CPU_TILED_MM=0`; at any size with
+/// `GGML_CPU_TILED_MM_FORCE=1`), whose sums run in another order than the
+/// dot product ours follows. Below it ggml takes one row and token at a
+/// time (`ggml_vec_dot_q6_K_q8_K`), and so does ours.
+fn ggml_tiles(rows: i64) -> bool {
+    static ENV: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    let (enabled, forced) = *ENV.get_or_init(|| {
+        let flag = |name: &str| std::env::var(name).ok().map(|v| v.trim().parse::<i64>());
+        (
+            !matches!(flag("GGML_CPU_TILED_MM"), Some(Ok(0))),
+            matches!(flag("GGML_CPU_TILED_MM_FORCE"), Some(Ok(1))),
+        )
+    });
+    enabled && (rows >= 8 || forced)
+}
+
+/// Whether ours gives ggml's bits for weights of `kind` in a step of
+/// `n_tokens` tokens: a Q4_K matrix is repacked by llama.cpp's loader and
+/// multiplied by ggml's repacked gemv one token at a time in every
+/// `mul_mat_id`, which ours follows; a Q6_K matrix stays as the file has it
+/// and ggml tiles it from some step size on ([`ggml_tiles`]; no expert
+/// gets more rows than the step has tokens).
+fn same_bits(kind: Kind, n_tokens: i64) -> bool {
+    kind == Kind::Q4K || !ggml_tiles(n_tokens)
+}
+
 /// Whether ours computes `mul_mat_id` of expert weights of type `ty` kept
 /// as the file has them (so a loader need not repack them).
 pub fn takes_type(ty: RawType) -> bool {
     available() && Kind::of(ty).is_some()
+}
+
+/// Whether `w` is a Q4_K matrix that ggml's CPU loader repacked into
+/// `block_q4_Kx8` (its `CPU_REPACK` buffer; on x86 the only layout it
+/// repacks Q4_K into), on a CPU that runs ours.
+fn repacked_q4k(w: Tensor<'_>) -> bool {
+    if w.ty() != sys::GGML_TYPE_Q4_K || !available() {
+        return false;
+    }
+    let raw = w.raw();
+    // SAFETY: a valid tensor handle; `buffer` and `extra` are plain fields.
+    let (buffer, extra) = unsafe { ((*raw).buffer, (*raw).extra) };
+    if buffer.is_null() || extra.is_null() {
+        return false;
+    }
+    // SAFETY: a non-null buffer of an allocated tensor; its type's name is
+    // a static C string.
+    let name = unsafe {
+        std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(
+            sys::ggml_backend_buffer_get_type(buffer),
+        ))
+    };
+    let [k, n, n_mat, _] = w.ne();
+    name.to_bytes() == b"CPU_REPACK" && k % QK as i64 == 0 && n % 8 == 0 && n_mat == 1
 }
 
 /// Whether ours computes `mul_mat_id` of this expert weight as it is
@@ -126,43 +195,96 @@ impl Ctx {
         on_cpu: bool,
     ) -> [Tensor<'a>; N] {
         let mut quantized: Vec<(Kind, Tensor<'a>)> = Vec::new();
-        ws.map(|w| match takes(w).filter(|_| on_cpu) {
-            Some(kind) if b.ty() == TYPE_F32 && b.nb()[0] == 4 => {
-                let q = match quantized.iter().find(|(k, _)| *k == kind) {
-                    Some(&(_, q)) => q,
-                    None => {
-                        let q = self.quantize_for(b, kind);
-                        quantized.push((kind, q));
-                        q
-                    }
+        let n_tokens = ids.ne()[1];
+        ws.map(
+            |w| match takes(w).filter(|&k| on_cpu && same_bits(k, n_tokens)) {
+                Some(kind) if b.ty() == TYPE_F32 && b.nb()[0] == 4 => {
+                    let q = match quantized.iter().find(|(k, _)| *k == kind) {
+                        Some(&(_, q)) => q,
+                        None => {
+                            let q = self.quantize_for(b, kind);
+                            quantized.push((kind, q));
+                            q
+                        }
+                    };
+                    self.matmul_q8(w, q, ids, kind)
+                }
+                _ => self.mul_mat_id(w, b, ids),
+            },
+        )
+    }
+
+    /// `mul_mat(w, x)` of a matrix `w` (`[k, n]`) and activations `x`
+    /// (`[k, n_tokens]`, F32), ours where it gives ggml's bits, in a graph
+    /// that runs on the CPU (`on_cpu`) and a step of a few tokens
+    /// (decoding): a Q4_K matrix in ggml's repacked layout (most of a
+    /// Q4_K_M file's attention and dense layers) below four tokens, where
+    /// ggml runs its repacked gemv and not yet its gemm; a Q6_K matrix as
+    /// the file has it (the head: R1's 0.76 GB a token) in a step ggml
+    /// would not tile ([`ggml_tiles`]). Ours reads a decoding token's rows
+    /// faster for the same reason as an expert's: a prefetch ahead.
+    pub fn matmul<'a>(&'a self, w: Tensor<'_>, x: Tensor<'_>, on_cpu: bool) -> Tensor<'a> {
+        let [k, n, n_mat, _] = w.ne();
+        let [_, n_tokens, rest @ ..] = x.ne();
+        // Ours reshapes `x`, so it takes only contiguous rows.
+        let plain = x.ty() == TYPE_F32
+            && x.nb()[0] == 4
+            && x.nb()[1] == 4 * k as usize
+            && rest == [1, 1]
+            && n_mat == 1;
+        if on_cpu && plain && n_tokens <= X8_TOKENS as i64 && repacked_q4k(w) {
+            let q = self.quantize_for(self.reshape(x, &[k, 1, n_tokens]), Kind::Q6K);
+            // The matrix goes as the op's user data, not as a source: ggml's
+            // scheduler gives a node with a source in a repacked buffer only
+            // to that buffer's own ops (matmuls), and would place this one
+            // nowhere. A weight outlives every graph that reads it.
+            // SAFETY: a matrix in ggml's repacked layout (checked above) that
+            // outlives the graph; `matmul_x8` reads it and its one source as
+            // their shapes say.
+            return unsafe {
+                self.custom(
+                    TYPE_F32,
+                    [n, n_tokens, 1],
+                    &[q],
+                    matmul_x8,
+                    w.raw() as *mut c_void,
+                )
+            };
+        }
+        match takes(w).filter(|&kind| on_cpu && plain && same_bits(kind, n_tokens)) {
+            Some(Kind::Q6K) => {
+                let q = self.quantize_for(self.reshape(x, &[k, 1, n_tokens]), Kind::Q6K);
+                // SAFETY: `matmul` reads its two sources as their shapes say
+                // (no ids: every token against the one matrix).
+                let y = unsafe {
+                    self.custom(
+                        TYPE_F32,
+                        [n, 1, n_tokens],
+                        &[w, q],
+                        matmul,
+                        Kind::Q6K.userdata(),
+                    )
                 };
-                self.matmul_q8(w, q, ids, kind)
+                self.reshape(y, &[n, n_tokens])
             }
-            _ => self.mul_mat_id(w, b, ids),
-        })
+            _ => self.mul_mat(w, x),
+        }
     }
 
     /// `b` (`[k, n_b, n_tokens]`, F32) quantized for weights of `kind`:
     /// `[k / 256 * ACT_BLOCK, n_b, n_tokens]` bytes.
     fn quantize_for<'a>(&'a self, b: Tensor<'_>, kind: Kind) -> Tensor<'a> {
         let [k, n_b, n_tokens, _] = b.ne();
-        let mut args = [b.raw()];
-        // SAFETY: one valid source; the callback reads it as its shape says.
-        self.wrap(unsafe {
-            sys::ggml_custom_4d(
-                self.raw(),
+        // SAFETY: `quantize` reads its one source as its shape says.
+        unsafe {
+            self.custom(
                 sys::GGML_TYPE_I8,
-                k / QK as i64 * ACT_BLOCK as i64,
-                n_b,
-                n_tokens,
-                1,
-                args.as_mut_ptr(),
-                args.len() as c_int,
-                Some(quantize),
-                -1,
-                kind as usize as *mut c_void,
+                [k / QK as i64 * ACT_BLOCK as i64, n_b, n_tokens],
+                &[b],
+                quantize,
+                kind.userdata(),
             )
-        })
+        }
     }
 
     fn matmul_q8<'a>(
@@ -183,21 +305,48 @@ impl Ctx {
             q.ne(),
             ids.ne()
         );
-        let mut args = [w.raw(), q.raw(), ids.raw()];
-        // SAFETY: three valid sources, shapes checked above.
+        // SAFETY: `matmul` reads its three sources as their shapes say
+        // (checked above).
+        unsafe {
+            self.custom(
+                TYPE_F32,
+                [n, n_used, n_tokens],
+                &[w, q, ids],
+                matmul,
+                kind.userdata(),
+            )
+        }
+    }
+
+    /// A node of `ty` and shape `ne` computed by `op` (on all the graph's
+    /// threads) from `srcs`, with `userdata` passed to it.
+    ///
+    /// # Safety
+    /// `op` must read its sources and `userdata`, and write the node, only
+    /// as their shapes and types say, and `userdata` must outlive the graph.
+    unsafe fn custom<'a>(
+        &'a self,
+        ty: RawType,
+        ne: [i64; 3],
+        srcs: &[Tensor<'_>],
+        op: unsafe extern "C" fn(*mut sys::ggml_tensor, c_int, c_int, *mut c_void),
+        userdata: *mut c_void,
+    ) -> Tensor<'a> {
+        let mut args: Vec<_> = srcs.iter().map(|t| t.raw()).collect();
+        // SAFETY: valid sources of this context; the caller vouches for `op`.
         self.wrap(unsafe {
             sys::ggml_custom_4d(
                 self.raw(),
-                TYPE_F32,
-                n,
-                n_used,
-                n_tokens,
+                ty,
+                ne[0],
+                ne[1],
+                ne[2],
                 1,
                 args.as_mut_ptr(),
                 args.len() as c_int,
-                Some(matmul),
+                Some(op),
                 -1,
-                kind as usize as *mut c_void,
+                userdata,
             )
         })
     }
@@ -290,10 +439,11 @@ const TILE: usize = 4;
 
 /// The matmul op's body: every used expert's rows split over the threads
 /// (thread `ith` takes the `ith`-th share of each), each row against every
-/// (slot, token) that chose the expert, [`TILE`] at a time.
+/// (slot, token) that chose the expert, [`TILE`] at a time. Without ids (a
+/// node of [`Ctx::matmul`]) every token uses the one matrix.
 ///
 /// # Safety
-/// Called by ggml with a node built by [`Ctx::matmul_q8`].
+/// Called by ggml with a node built by [`Ctx::matmul_q8`] or [`Ctx::matmul`].
 unsafe extern "C" fn matmul(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -304,11 +454,12 @@ unsafe extern "C" fn matmul(
     // SAFETY: the node and its three sources, allocated by the time it runs.
     let (d, w, q, ids) = unsafe {
         let d = &*dst;
-        (d, &*d.src[0], &*d.src[1], &*d.src[2])
+        (d, &*d.src[0], &*d.src[1], d.src[2].as_ref())
     };
     let (n, n_expert) = (w.ne[1] as usize, w.ne[2] as usize);
     let nblk = w.ne[0] as usize / QK;
-    let (n_used, n_tokens) = (ids.ne[0] as usize, ids.ne[1] as usize);
+    let n_tokens = q.ne[2] as usize;
+    let n_used = ids.map_or(1, |ids| ids.ne[0] as usize);
     let n_b = q.ne[1] as usize;
     let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
     let (r0, r1) = (n * ith / nth, n * (ith + 1) / nth);
@@ -316,9 +467,12 @@ unsafe extern "C" fn matmul(
     let mut pairs: Vec<(usize, usize, usize)> = Vec::with_capacity(n_used * n_tokens);
     for t in 0..n_tokens {
         for i in 0..n_used {
-            // SAFETY: (i, t) is inside ids.
-            let e = unsafe {
-                *((ids.data as *const u8).add(i * ids.nb[0] + t * ids.nb[1]) as *const i32)
+            let e = match ids {
+                // SAFETY: (i, t) is inside ids.
+                Some(ids) => unsafe {
+                    *((ids.data as *const u8).add(i * ids.nb[0] + t * ids.nb[1]) as *const i32)
+                },
+                None => 0,
             };
             if (0..n_expert as i32).contains(&e) {
                 pairs.push((e as usize, i, t));
@@ -359,6 +513,55 @@ unsafe extern "C" fn matmul(
     }
 }
 
+/// The op of a repacked Q4_K matrix ([`Ctx::matmul`]): its groups of eight
+/// rows split over the threads, each group against every token.
+///
+/// # Safety
+/// Called by ggml with a node built by [`Ctx::matmul`]: `userdata` the
+/// matrix, one that [`repacked_q4k`] took; the source the activations
+/// quantized in the values' order (the Q6_K layout), at most
+/// [`X8_TOKENS`] of them.
+unsafe extern "C" fn matmul_x8(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    userdata: *mut c_void,
+) {
+    // SAFETY: the node, its source and the matrix, allocated by the time it
+    // runs.
+    let (d, w, q) = unsafe {
+        let d = &*dst;
+        (d, &*(userdata as *const sys::ggml_tensor), &*d.src[0])
+    };
+    let nblk = w.ne[0] as usize / QK;
+    let groups = w.ne[1] as usize / 8;
+    let n_tokens = q.ne[2] as usize;
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    // SAFETY: row t of q holds nblk blocks of activations.
+    let acts: Vec<*const u8> = (0..n_tokens)
+        .map(|t| unsafe { (q.data as *const u8).add(t * q.nb[2]) })
+        .collect();
+    let mut out = [[0f32; 8]; X8_TOKENS];
+    for g in groups * ith / nth..groups * (ith + 1) / nth {
+        // SAFETY: group g of the repacked matrix holds nblk blocks of
+        // `block_q4_Kx8` (the builder checked the layout); this CPU has the
+        // features `available` asked.
+        unsafe {
+            let group = (w.data as *const u8).add(g * nblk * Q4_KX8_BLOCK);
+            x86::dots_x8(group, nblk, &acts, &mut out);
+        }
+        for (t, rows) in out.iter().take(n_tokens).enumerate() {
+            for (c, &v) in rows.iter().enumerate() {
+                // SAFETY: (8g + c, t) is inside dst (`[n, n_tokens]`).
+                unsafe {
+                    ((d.data as *mut u8).add((8 * g + c) * d.nb[0] + t * d.nb[1]) as *mut f32)
+                        .write(v)
+                };
+            }
+        }
+    }
+}
+
 /// Where result (r, i, t) goes.
 ///
 /// # Safety
@@ -369,288 +572,11 @@ unsafe fn out_at(d: &sys::ggml_tensor, r: usize, i: usize, t: usize) -> *mut f32
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{Kind, ACT_BLOCK, ACT_D, ACT_SUMS, Q4_K_BLOCK, Q6_K_BLOCK, TILE};
-    use std::arch::x86_64::*;
-
-    /// Dot products of one weight row (`nblk` blocks of `kind`) with up to
-    /// [`TILE`] activation rows, into `out`.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F/BW/VL, VNNI, F16C and FMA; `row` and each of
-    /// `acts` hold `nblk` blocks.
-    pub(super) unsafe fn dots(
-        kind: Kind,
-        row: *const u8,
-        nblk: usize,
-        acts: &[*const u8],
-        out: &mut [f32; TILE],
-    ) {
-        macro_rules! tile {
-            ($f:ident) => {
-                // SAFETY: the caller's contract.
-                unsafe {
-                    match acts.len() {
-                        1 => $f::<1>(row, nblk, acts, out),
-                        2 => $f::<2>(row, nblk, acts, out),
-                        3 => $f::<3>(row, nblk, acts, out),
-                        _ => $f::<4>(row, nblk, acts, out),
-                    }
-                }
-            };
-        }
-        match kind {
-            Kind::Q4K => tile!(q4_k),
-            Kind::Q6K => tile!(q6_k),
-        }
-    }
-
-    /// ggml's `hsum_float_8`, in its order.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-    fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
-
-    /// The sum of `a`'s sixteen lanes in lane 0 and of `b`'s eight in lane 1.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-    fn totals(a: __m512i, b: __m256i) -> __m128i {
-        let a = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-        let h = _mm256_hadd_epi32(a, b);
-        let h = _mm256_hadd_epi32(h, h);
-        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
-    }
-
-    /// Lanes `[a; 8], [b; 8]` of a permutation index.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn halves(a: i32, b: i32) -> __m512i {
-        _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1)
-    }
-
-    /// Q4_K: `d·scale_j·q - dmin·min_j` per 32-value sub-block `j`.
-    ///
-    /// # Safety
-    /// As [`dots`], with `acts.len() == M`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-    unsafe fn q4_k<const M: usize>(
-        row: *const u8,
-        nblk: usize,
-        acts: &[*const u8],
-        out: &mut [f32; TILE],
-    ) {
-        let nib = _mm512_set1_epi8(0x0F);
-        // Which sub-block's scale each lane of a product takes (see the
-        // activation layout in `quantize_row`).
-        let (idx_l0, idx_h0) = (halves(0, 2), halves(1, 3));
-        let (idx_l1, idx_h1) = (halves(4, 6), halves(5, 7));
-        // Per token: lane 0 the scaled sums, lane 1 the mins' terms.
-        let mut acc = [_mm_setzero_ps(); M];
-        for b in 0..nblk {
-            // SAFETY: block b of the row (the caller's contract).
-            let (dm, sm, q0, q1) = unsafe {
-                let blk = row.add(b * Q4_K_BLOCK);
-                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
-                let s = blk.add(4);
-                let u = [
-                    (s as *const u32).read_unaligned(),
-                    (s.add(4) as *const u32).read_unaligned(),
-                    (s.add(8) as *const u32).read_unaligned(),
-                ];
-                // ggml's unpacking of the 6-bit scales and mins.
-                let (k1, k2, k3) = (0x3f3f3f3fu32, 0x0f0f0f0fu32, 0x03030303u32);
-                let scales = [u[0] & k1, (u[2] & k2) | (((u[0] >> 6) & k3) << 4)];
-                let mins = [u[1] & k1, ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)];
-                let sm = _mm_setr_epi32(
-                    scales[0] as i32,
-                    scales[1] as i32,
-                    mins[0] as i32,
-                    mins[1] as i32,
-                );
-                (
-                    dm,
-                    sm,
-                    _mm512_loadu_si512(blk.add(16) as *const _),
-                    _mm512_loadu_si512(blk.add(80) as *const _),
-                )
-            };
-            let sc = _mm512_cvtepu8_epi32(sm);
-            let (s_l0, s_h0) = (
-                _mm512_permutexvar_epi32(idx_l0, sc),
-                _mm512_permutexvar_epi32(idx_h0, sc),
-            );
-            let (s_l1, s_h1) = (
-                _mm512_permutexvar_epi32(idx_l1, sc),
-                _mm512_permutexvar_epi32(idx_h1, sc),
-            );
-            // Each min twice: the sums come per 16 values.
-            let mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
-            let l0 = _mm512_and_si512(q0, nib);
-            let h0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib);
-            let l1 = _mm512_and_si512(q1, nib);
-            let h1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib);
-            let zero = _mm512_setzero_si512();
-            for m in 0..M {
-                // SAFETY: block b of activation row m (the caller's contract).
-                unsafe {
-                    let y = acts[m].add(b * ACT_BLOCK);
-                    let p0 = _mm512_dpbusd_epi32(zero, l0, _mm512_loadu_si512(y as *const _));
-                    let p1 =
-                        _mm512_dpbusd_epi32(zero, h0, _mm512_loadu_si512(y.add(64) as *const _));
-                    let p2 =
-                        _mm512_dpbusd_epi32(zero, l1, _mm512_loadu_si512(y.add(128) as *const _));
-                    let p3 =
-                        _mm512_dpbusd_epi32(zero, h1, _mm512_loadu_si512(y.add(192) as *const _));
-                    let isum = _mm512_add_epi32(
-                        _mm512_add_epi32(
-                            _mm512_mullo_epi32(p0, s_l0),
-                            _mm512_mullo_epi32(p1, s_h0),
-                        ),
-                        _mm512_add_epi32(
-                            _mm512_mullo_epi32(p2, s_l1),
-                            _mm512_mullo_epi32(p3, s_h1),
-                        ),
-                    );
-                    let dy = (y.add(ACT_D) as *const f32).read_unaligned();
-                    let min_terms =
-                        _mm256_madd_epi16(mins, _mm256_loadu_si256(y.add(ACT_SUMS) as *const _));
-                    // The block's two integer totals, exact, then one FMA
-                    // each: ggml's gemv (`ggml_gemv_q4_K_8x8_q8_K`) order.
-                    let totals = totals(isum, min_terms);
-                    acc[m] = _mm_fmadd_ps(
-                        _mm_cvtepi32_ps(totals),
-                        _mm_mul_ps(dm, _mm_set1_ps(dy)),
-                        acc[m],
-                    );
-                }
-            }
-        }
-        for m in 0..M {
-            out[m] = _mm_cvtss_f32(acc[m]) - _mm_cvtss_f32(_mm_movehdup_ps(acc[m]));
-        }
-    }
-
-    /// Q6_K: `d·scale_g·(q - 32)` per 16-value group `g`, `q` six bits from
-    /// four low (`ql`) and two high (`qh`).
-    ///
-    /// # Safety
-    /// As [`dots`], with `acts.len() == M`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-    unsafe fn q6_k<const M: usize>(
-        row: *const u8,
-        nblk: usize,
-        acts: &[*const u8],
-        out: &mut [f32; TILE],
-    ) {
-        let nib = _mm512_set1_epi8(0x0F);
-        let bits45 = _mm512_set1_epi8(0x30);
-        // The two high bits of each value, moved to bits 4-5: per 128
-        // values, the low nibbles take qh's bits 0-1 (first 32 bytes) and
-        // 2-3 (next 32), the high nibbles bits 4-5 and 6-7.
-        let shl_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-        let shr_hi = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-        let quad = |k: i32| {
-            _mm512_setr_epi32(
-                k,
-                k,
-                k,
-                k,
-                k + 1,
-                k + 1,
-                k + 1,
-                k + 1,
-                k + 2,
-                k + 2,
-                k + 2,
-                k + 2,
-                k + 3,
-                k + 3,
-                k + 3,
-                k + 3,
-            )
-        };
-        let idx = [quad(0), quad(4), quad(8), quad(12)];
-        let mut acc = [_mm256_setzero_ps(); M];
-        for b in 0..nblk {
-            // SAFETY: block b of the row (the caller's contract).
-            let (qv, sc8, d) = unsafe {
-                let blk = row.add(b * Q6_K_BLOCK);
-                let mut qv = [_mm512_setzero_si512(); 4];
-                for half in 0..2 {
-                    let ql = _mm512_loadu_si512(blk.add(64 * half) as *const _);
-                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        blk.add(128 + 32 * half) as *const _
-                    ));
-                    qv[2 * half] = _mm512_or_si512(
-                        _mm512_and_si512(ql, nib),
-                        _mm512_and_si512(_mm512_sllv_epi16(qh, shl_lo), bits45),
-                    );
-                    qv[2 * half + 1] = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16(ql, 4), nib),
-                        _mm512_and_si512(_mm512_srlv_epi16(qh, shr_hi), bits45),
-                    );
-                }
-                let sc8 = _mm_loadu_si128(blk.add(192) as *const _);
-                let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                    (blk.add(208) as *const u16).read_unaligned() as i32,
-                )));
-                (qv, sc8, d)
-            };
-            let sc = _mm512_cvtepi8_epi32(sc8);
-            let s = [
-                _mm512_permutexvar_epi32(idx[0], sc),
-                _mm512_permutexvar_epi32(idx[1], sc),
-                _mm512_permutexvar_epi32(idx[2], sc),
-                _mm512_permutexvar_epi32(idx[3], sc),
-            ];
-            let sc16 = _mm256_cvtepi8_epi16(sc8);
-            let zero = _mm512_setzero_si512();
-            for m in 0..M {
-                // SAFETY: block b of activation row m (the caller's contract).
-                unsafe {
-                    let y = acts[m].add(b * ACT_BLOCK);
-                    let mut isum = zero;
-                    for j in 0..4 {
-                        let p = _mm512_dpbusd_epi32(
-                            zero,
-                            qv[j],
-                            _mm512_loadu_si512(y.add(64 * j) as *const _),
-                        );
-                        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(p, s[j]));
-                    }
-                    let dy = (y.add(ACT_D) as *const f32).read_unaligned();
-                    // ggml's `ggml_vec_dot_q6_K_q8_K` (AVX2) order: eight
-                    // exact integer lanes (lane l: bytes 4l..4l+4 of each
-                    // 32-byte run, less 32 times groups 2l and 2l+1), one
-                    // FMA each per block, summed at the end.
-                    let sumi = _mm256_add_epi32(
-                        _mm512_castsi512_si256(isum),
-                        _mm512_extracti64x4_epi64(isum, 1),
-                    );
-                    let off = _mm256_slli_epi32(
-                        _mm256_madd_epi16(_mm256_loadu_si256(y.add(ACT_SUMS) as *const _), sc16),
-                        5,
-                    );
-                    acc[m] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(dy * d),
-                        _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, off)),
-                        acc[m],
-                    );
-                }
-            }
-        }
-        for m in 0..M {
-            out[m] = hsum256(acc[m]);
-        }
-    }
-}
+mod x86;
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    use super::{Kind, TILE};
+    use super::{Kind, TILE, X8_TOKENS};
     /// Never called: [`super::available`] is false off x86-64.
     pub(super) unsafe fn dots(
         _: Kind,
@@ -661,233 +587,16 @@ mod x86 {
     ) {
         unreachable!("the expert kernel runs only on x86-64")
     }
+    /// Never called, as [`dots`].
+    pub(super) unsafe fn dots_x8(
+        _: *const u8,
+        _: usize,
+        _: &[*const u8],
+        _: &mut [[f32; 8]; X8_TOKENS],
+    ) {
+        unreachable!("the expert kernel runs only on x86-64")
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::backend::{Buffer, CpuBackend, GraphAllocator, TensorStore};
-    use super::super::{row_size, TYPE_I32};
-    use super::*;
-    use std::ptr;
-
-    /// A small random generator (xorshift), so the test needs no crate.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn f32(&mut self) -> f32 {
-            (self.next() % 20001) as f32 / 10000.0 - 1.0
-        }
-    }
-
-    /// Random experts `[k, n, n_expert]` quantized to `ty` by ggml.
-    fn experts(ty: RawType, [k, n, n_expert]: [usize; 3], rng: &mut Rng) -> Vec<u8> {
-        let w: Vec<f32> = (0..k * n * n_expert).map(|_| rng.f32()).collect();
-        let mut q = vec![0u8; row_size(ty, k as i64) * n * n_expert];
-        // SAFETY: `w` has that many rows of k floats; `q` is sized by ggml.
-        unsafe {
-            sys::ggml_quantize_chunk(
-                ty,
-                w.as_ptr(),
-                q.as_mut_ptr() as *mut c_void,
-                0,
-                (n * n_expert) as i64,
-                k as i64,
-                ptr::null(),
-            )
-        };
-        q
-    }
-
-    /// An expert tensor `[k, n, n_expert]` of `ty` (index 0 of the store)
-    /// in a buffer: for ggml's op, the layout llama.cpp's loader gives it
-    /// (Q4_K repacked where the CPU has the kernels, Q6_K as it is); for
-    /// ours, plain host memory as a file's map is.
-    fn weights(
-        backend: &CpuBackend,
-        ty: RawType,
-        [k, n, n_expert]: [usize; 3],
-        n_used: usize,
-        ours: bool,
-    ) -> (TensorStore, Buffer) {
-        let mut store = TensorStore::new(1);
-        let wi = store.add(ty, &[k as i64, n as i64, n_expert as i64], "w");
-        let read = super::super::WeightRead::MulMatId(n_used as i64);
-        let repacked = (!ours)
-            .then(|| super::super::cpu_extra_buffer_types().unwrap())
-            .into_iter()
-            .flatten()
-            .find(|&b| super::super::buft_supports(b, store.get(wi), read));
-        assert!(
-            ours || ty != sys::GGML_TYPE_Q4_K || repacked.is_some(),
-            "a CPU with AVX-512 repacks Q4_K experts"
-        );
-        let buf =
-            Buffer::alloc_ctx(store.ctx(), repacked.unwrap_or(backend.buffer_type())).unwrap();
-        (store, buf)
-    }
-
-    /// `mul_mat_id` of an expert tensor of `ty` (`[k, n, n_expert]`, the
-    /// bytes `q`, else filler) by activations `[k, n_b, n_tokens]` under
-    /// ids (`n_used` a token), ours or ggml's op, on two threads: `go` gets
-    /// a function that runs it on given activations and ids and returns
-    /// the result and the time the graph took.
-    fn with_op<R>(
-        (ty, dims, q): (RawType, [usize; 3], Option<&[u8]>),
-        [n_b, n_tokens, n_used]: [usize; 3],
-        ours: bool,
-        go: impl FnOnce(&mut dyn FnMut(&[f32], &[i32]) -> (Vec<f32>, f64)) -> R,
-    ) -> R {
-        let mut backend = CpuBackend::new(2).unwrap();
-        let (store, buf) = weights(&backend, ty, dims, n_used, ours);
-        match q {
-            Some(q) => store.get(0).write_bytes(q),
-            None => buf.clear(0x11),
-        }
-        let ctx = Ctx::new(16, true);
-        let k = dims[0] as i64;
-        let bt = ctx.input(TYPE_F32, &[k, n_b as i64, n_tokens as i64], "b");
-        let it = ctx.input(TYPE_I32, &[n_used as i64, n_tokens as i64], "ids");
-        let [y] = if ours {
-            ctx.expert_matmuls([store.get(0)], bt, it, true)
-        } else {
-            [ctx.mul_mat_id(store.get(0), bt, it)]
-        };
-        let mut graph = ctx.new_graph();
-        graph.expand(y);
-        let mut alloc = GraphAllocator::new(backend.buffer_type());
-        alloc.alloc(&graph).unwrap();
-        go(&mut |b: &[f32], ids: &[i32]| {
-            bt.write(b);
-            it.write(ids);
-            let t = std::time::Instant::now();
-            backend.compute(&graph).unwrap();
-            let took = t.elapsed().as_secs_f64();
-            let mut out = Vec::new();
-            y.read_f32(&mut out);
-            (out, took)
-        })
-    }
-
-    /// [`with_op`] run once.
-    fn run(
-        ty: RawType,
-        dims: [usize; 3],
-        q: &[u8],
-        (b, n_b): (&[f32], usize),
-        (ids, n_used): (&[i32], usize),
-        ours: bool,
-    ) -> Vec<f32> {
-        let n_tokens = ids.len() / n_used;
-        with_op((ty, dims, Some(q)), [n_b, n_tokens, n_used], ours, |op| {
-            op(b, ids).0
-        })
-    }
-
-    /// Ours gives ggml's `mul_mat_id` bit for bit for both types (Q4_K
-    /// repacked, as llama.cpp runs it), with broadcast or per-slot
-    /// activations and an expert serving more tokens than a tile; and a
-    /// token's results are the same bits alone as in its batch.
-    #[test]
-    fn ours_matches_ggml_and_does_not_depend_on_the_batch() {
-        if !available() {
-            eprintln!("this CPU lacks AVX-512 VNNI: ggml's mul_mat_id runs instead of ours");
-            return;
-        }
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        let (k, n, n_expert, n_used, n_tokens) = (512, 40, 4, 2, 9);
-        // Each token's two experts, distinct; nine tokens over four experts.
-        let ids: Vec<i32> = (0..n_tokens)
-            .flat_map(|t| {
-                let a = (t % 4) as i32;
-                [a, (a + 1 + (t as i32 / 4) % 3) % 4]
-            })
-            .collect();
-        for ty in [sys::GGML_TYPE_Q4_K, sys::GGML_TYPE_Q6_K] {
-            let dims = [k, n, n_expert];
-            let q = experts(ty, dims, &mut rng);
-            for n_b in [1, n_used] {
-                let b: Vec<f32> = (0..k * n_b * n_tokens).map(|_| rng.f32() * 3.0).collect();
-                let theirs = run(ty, dims, &q, (&b, n_b), (&ids, n_used), false);
-                let ours = run(ty, dims, &q, (&b, n_b), (&ids, n_used), true);
-                assert_eq!(ours.len(), n * n_used * n_tokens);
-                let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                assert!(
-                    scale > 1.0,
-                    "type {ty}: results too small to compare ({scale})"
-                );
-                let differ = theirs
-                    .iter()
-                    .zip(&ours)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits());
-                let worst = differ.clone().fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert_eq!(
-                    differ.count(),
-                    0,
-                    "type {ty}, n_b {n_b}: ours differs from ggml's by up to {worst}"
-                );
-                let t = 7;
-                let alone = run(
-                    ty,
-                    dims,
-                    &q,
-                    (&b[t * k * n_b..(t + 1) * k * n_b], n_b),
-                    (&ids[t * n_used..(t + 1) * n_used], n_used),
-                    true,
-                );
-                assert_eq!(
-                    alone,
-                    ours[t * n * n_used..(t + 1) * n * n_used],
-                    "type {ty}, n_b {n_b}: token {t} alone differs from its row in the batch"
-                );
-            }
-        }
-    }
-
-    /// Ours beside ggml's op as llama.cpp runs it, on one decode token's
-    /// experts at R1's shape (8 of 16 experts of 2048 x 7168; `ROWS=n` for
-    /// fewer rows, in cache), two threads: `cargo test --release -p
-    /// omni-engine --lib expert_speed -- --ignored --nocapture`.
-    #[test]
-    #[ignore = "a benchmark: prints figures"]
-    fn expert_speed() {
-        let n = std::env::var("ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2048);
-        let (k, n_expert, n_used) = (7168, 16, 8);
-        for ty in [sys::GGML_TYPE_Q4_K, sys::GGML_TYPE_Q6_K] {
-            // Each op timed in turns, five rounds of 21 runs: the VM's
-            // noise falls on both alike.
-            let mut rates = [Vec::new(), Vec::new()];
-            for _ in 0..5 {
-                for (o, ours) in [false, true].into_iter().enumerate() {
-                    let dims = [k, n, n_expert];
-                    with_op((ty, dims, None), [1, 1, n_used], ours, |op| {
-                        let bytes = (row_size(ty, k as i64) * n * n_used) as f64;
-                        for r in 0..21 {
-                            let ids: Vec<i32> =
-                                (0..n_used as i32).map(|i| (i * 2 + r) % 16).collect();
-                            let (_, took) = op(&vec![0.3f32; k], &ids);
-                            rates[o].push(bytes / took / 1e9);
-                        }
-                    });
-                }
-            }
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
-            let (theirs, ours) = (median(&mut rates[0]), median(&mut rates[1]));
-            let line = format!(
-                "{n} rows of type {ty}: ggml {theirs:.1} GB/s, ours {ours:.1} GB/s ({:.2}x)",
-                ours / theirs
-            );
-            println!("{line}");
-        }
-    }
-}
+mod tests;
