@@ -232,8 +232,14 @@ impl Ctx {
             && x.nb()[1] == 4 * k as usize
             && rest == [1, 1]
             && n_mat == 1;
-        if on_cpu && plain && n_tokens <= X8_TOKENS as i64 && repacked_q4k(w) {
-            let q = self.quantize_for(self.reshape(x, &[k, 1, n_tokens]), Kind::Q6K);
+        let x8 = n_tokens <= X8_TOKENS as i64 && repacked_q4k(w);
+        let q6 = takes(w) == Some(Kind::Q6K) && same_bits(Kind::Q6K, n_tokens);
+        if !(on_cpu && plain && (x8 || q6)) {
+            return self.mul_mat(w, x);
+        }
+        // Both read the activations in the values' order: the Q6_K layout.
+        let q = self.quantize_for(self.reshape(x, &[k, 1, n_tokens]), Kind::Q6K);
+        if x8 {
             // The matrix goes as the op's user data, not as a source: ggml's
             // scheduler gives a node with a source in a repacked buffer only
             // to that buffer's own ops (matmuls), and would place this one
@@ -241,7 +247,7 @@ impl Ctx {
             // SAFETY: a matrix in ggml's repacked layout (checked above) that
             // outlives the graph; `matmul_x8` reads it and its one source as
             // their shapes say.
-            return unsafe {
+            unsafe {
                 self.custom(
                     TYPE_F32,
                     [n, n_tokens, 1],
@@ -249,25 +255,20 @@ impl Ctx {
                     matmul_x8,
                     w.raw() as *mut c_void,
                 )
-            };
-        }
-        match takes(w).filter(|&kind| on_cpu && plain && same_bits(kind, n_tokens)) {
-            Some(Kind::Q6K) => {
-                let q = self.quantize_for(self.reshape(x, &[k, 1, n_tokens]), Kind::Q6K);
-                // SAFETY: `matmul` reads its two sources as their shapes say
-                // (no ids: every token against the one matrix).
-                let y = unsafe {
-                    self.custom(
-                        TYPE_F32,
-                        [n, 1, n_tokens],
-                        &[w, q],
-                        matmul,
-                        Kind::Q6K.userdata(),
-                    )
-                };
-                self.reshape(y, &[n, n_tokens])
             }
-            _ => self.mul_mat(w, x),
+        } else {
+            // SAFETY: `matmul` reads its two sources as their shapes say
+            // (no ids: every token against the one matrix).
+            let y = unsafe {
+                self.custom(
+                    TYPE_F32,
+                    [n, 1, n_tokens],
+                    &[w, q],
+                    matmul,
+                    Kind::Q6K.userdata(),
+                )
+            };
+            self.reshape(y, &[n, n_tokens])
         }
     }
 
@@ -553,10 +554,7 @@ unsafe extern "C" fn matmul_x8(
         for (t, rows) in out.iter().take(n_tokens).enumerate() {
             for (c, &v) in rows.iter().enumerate() {
                 // SAFETY: (8g + c, t) is inside dst (`[n, n_tokens]`).
-                unsafe {
-                    ((d.data as *mut u8).add((8 * g + c) * d.nb[0] + t * d.nb[1]) as *mut f32)
-                        .write(v)
-                };
+                unsafe { out_at(d, 8 * g + c, t, 0).write(v) };
             }
         }
     }

@@ -36,6 +36,29 @@ fn experts(ty: RawType, [k, n, n_expert]: [usize; 3], rng: &mut Rng) -> Vec<u8> 
     q
 }
 
+/// A weight of `ty` and shape `ne` (index 0 of the store) in a buffer:
+/// with `repack`, the layout llama.cpp's loader gives a weight read by
+/// `read` (repacked where ggml's CPU backend has kernels for it; the flag
+/// returned says whether it did), else plain host memory as a file's map
+/// is.
+fn weight(
+    backend: &CpuBackend,
+    ty: RawType,
+    ne: &[i64],
+    read: super::super::WeightRead,
+    repack: bool,
+) -> (TensorStore, Buffer, bool) {
+    let mut store = TensorStore::new(1);
+    let wi = store.add(ty, ne, "w");
+    let repacked = repack
+        .then(|| super::super::cpu_extra_buffer_types().unwrap())
+        .into_iter()
+        .flatten()
+        .find(|&b| super::super::buft_supports(b, store.get(wi), read));
+    let buf = Buffer::alloc_ctx(store.ctx(), repacked.unwrap_or(backend.buffer_type())).unwrap();
+    (store, buf, repacked.is_some())
+}
+
 /// An expert tensor `[k, n, n_expert]` of `ty` (index 0 of the store)
 /// in a buffer: for ggml's op, the layout llama.cpp's loader gives it
 /// (Q4_K repacked where the CPU has the kernels, Q6_K as it is); for
@@ -47,19 +70,13 @@ fn weights(
     n_used: usize,
     ours: bool,
 ) -> (TensorStore, Buffer) {
-    let mut store = TensorStore::new(1);
-    let wi = store.add(ty, &[k as i64, n as i64, n_expert as i64], "w");
+    let ne = [k as i64, n as i64, n_expert as i64];
     let read = super::super::WeightRead::MulMatId(n_used as i64);
-    let repacked = (!ours)
-        .then(|| super::super::cpu_extra_buffer_types().unwrap())
-        .into_iter()
-        .flatten()
-        .find(|&b| super::super::buft_supports(b, store.get(wi), read));
+    let (store, buf, repacked) = weight(backend, ty, &ne, read, !ours);
     assert!(
-        ours || ty != sys::GGML_TYPE_Q4_K || repacked.is_some(),
+        ours || ty != sys::GGML_TYPE_Q4_K || repacked,
         "a CPU with AVX-512 repacks Q4_K experts"
     );
-    let buf = Buffer::alloc_ctx(store.ctx(), repacked.unwrap_or(backend.buffer_type())).unwrap();
     (store, buf)
 }
 
@@ -212,21 +229,15 @@ fn ours_matches_ggml_and_does_not_depend_on_the_batch() {
 /// as llama.cpp's loader lays them out.
 fn dense(ty: RawType, [k, n]: [usize; 2], q: &[u8], x: &[f32], ours: bool) -> Vec<f32> {
     let mut backend = CpuBackend::new(2).unwrap();
-    let mut store = TensorStore::new(1);
-    let wi = store.add(ty, &[k as i64, n as i64], "w");
     let read = super::super::WeightRead::MulMat;
-    let repacked = super::super::cpu_extra_buffer_types()
-        .unwrap()
-        .into_iter()
-        .find(|&b| super::super::buft_supports(b, store.get(wi), read));
-    let _buf = Buffer::alloc_ctx(store.ctx(), repacked.unwrap_or(backend.buffer_type())).unwrap();
-    store.get(wi).write_bytes(q);
+    let (store, _buf, _) = weight(&backend, ty, &[k as i64, n as i64], read, true);
+    store.get(0).write_bytes(q);
     let ctx = Ctx::new(16, true);
     let xt = ctx.input(TYPE_F32, &[k as i64, (x.len() / k) as i64], "x");
     let y = if ours {
-        ctx.matmul(store.get(wi), xt, true)
+        ctx.matmul(store.get(0), xt, true)
     } else {
-        ctx.mul_mat(store.get(wi), xt)
+        ctx.mul_mat(store.get(0), xt)
     };
     let mut graph = ctx.new_graph();
     graph.expand(y);
@@ -241,8 +252,8 @@ fn dense(ty: RawType, [k, n]: [usize; 2], q: &[u8], x: &[f32], ours: bool) -> Ve
 
 /// A matrix through [`Ctx::matmul`] gives ggml's `mul_mat` bit for bit
 /// at every step size, across ggml's own size rules (its repacked gemm
-/// from 4 rows, its tiled kernel from 8): Q6_K by ours below 8, Q4_K by
-/// ggml's repacked kernels.
+/// from 4 rows, its tiled kernel from 8): Q6_K by ours below 8, Q4_K
+/// (repacked) by ours below 4.
 #[test]
 fn a_matrix_gives_ggmls_bits_at_every_step_size() {
     if !available() {
@@ -259,6 +270,32 @@ fn a_matrix_gives_ggmls_bits_at_every_step_size() {
             let ours = dense(ty, [k, n], &q, &x, true);
             assert_eq!(ours.len(), n * n_tokens);
             same_bits_as_ggml(&theirs, &ours, &format!("type {ty}, {n_tokens} tokens"));
+        }
+    }
+}
+
+/// The unpacking of a Q4_K block's 6-bit scales and mins (both kernels'),
+/// against ggml's `get_scale_min_k4` byte by byte: plain integer code, so
+/// checked on every x86-64, with or without AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn q4_k_scales_unpack_as_ggmls() {
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    for _ in 0..1000 {
+        let q: [u8; 12] = std::array::from_fn(|_| rng.next() as u8);
+        // SAFETY: `q` holds 12 bytes.
+        let (sc, mn) = unsafe { super::x86::scales_mins(q.as_ptr()) };
+        let byte = |v: [u32; 2], j: usize| (v[j / 4] >> (8 * (j % 4))) as u8;
+        for j in 0..8 {
+            let (d, m) = if j < 4 {
+                (q[j] & 63, q[j + 4] & 63)
+            } else {
+                (
+                    (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+                    (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+                )
+            };
+            assert_eq!((byte(sc, j), byte(mn, j)), (d, m), "sub-block {j} of {q:?}");
         }
     }
 }

@@ -47,6 +47,35 @@ pub(super) unsafe fn dots(
 /// 9.4-10.1 GB/s a core (2 048 to 8 192 bytes all did as well).
 pub(super) const AHEAD: usize = 4096;
 
+/// Asks for the cache lines of the `len` bytes [`AHEAD`] past `blk` (a
+/// prefetch past the end of a buffer reads nothing).
+#[inline]
+fn prefetch_ahead(blk: *const u8, len: usize) {
+    let ahead = blk.wrapping_add(AHEAD);
+    for l in 0..len.div_ceil(64) {
+        // SAFETY: SSE, which the prefetch needs, is in every x86-64; a
+        // prefetch faults on no address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8) };
+    }
+}
+
+/// ggml's unpacking of a Q4_K block's 12 bytes of 6-bit scales and mins
+/// (`s`) into the eight sub-blocks' scales and mins, a byte each.
+///
+/// # Safety
+/// `s` holds 12 bytes.
+#[inline]
+pub(super) unsafe fn scales_mins(s: *const u8) -> ([u32; 2], [u32; 2]) {
+    // SAFETY: the caller's contract.
+    let u: [u32; 3] =
+        std::array::from_fn(|i| unsafe { (s.add(4 * i) as *const u32).read_unaligned() });
+    let (k1, k2, k3) = (0x3f3f3f3fu32, 0x0f0f0f0fu32, 0x03030303u32);
+    (
+        [u[0] & k1, (u[2] & k2) | (((u[0] >> 6) & k3) << 4)],
+        [u[1] & k1, ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)],
+    )
+}
+
 /// ggml's `hsum_float_8`, in its order.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
@@ -95,21 +124,9 @@ unsafe fn q4_k<const M: usize>(
         // SAFETY: block b of the row (the caller's contract).
         let (dm, sm, q0, q1) = unsafe {
             let blk = row.add(b * Q4_K_BLOCK);
-            let ahead = blk.wrapping_add(AHEAD);
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128) as *const i8);
+            prefetch_ahead(blk, Q4_K_BLOCK);
             let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
-            let s = blk.add(4);
-            let u = [
-                (s as *const u32).read_unaligned(),
-                (s.add(4) as *const u32).read_unaligned(),
-                (s.add(8) as *const u32).read_unaligned(),
-            ];
-            // ggml's unpacking of the 6-bit scales and mins.
-            let (k1, k2, k3) = (0x3f3f3f3fu32, 0x0f0f0f0fu32, 0x03030303u32);
-            let scales = [u[0] & k1, (u[2] & k2) | (((u[0] >> 6) & k3) << 4)];
-            let mins = [u[1] & k1, ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)];
+            let (scales, mins) = scales_mins(blk.add(4));
             let sm = _mm_setr_epi32(
                 scales[0] as i32,
                 scales[1] as i32,
@@ -222,10 +239,7 @@ unsafe fn q6_k<const M: usize>(
         // SAFETY: block b of the row (the caller's contract).
         let (qv, sc8, d) = unsafe {
             let blk = row.add(b * Q6_K_BLOCK);
-            let ahead = blk.wrapping_add(AHEAD);
-            for l in 0..4 {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
-            }
+            prefetch_ahead(blk, Q6_K_BLOCK);
             let mut qv = [_mm512_setzero_si512(); 4];
             for half in 0..2 {
                 let ql = _mm512_loadu_si512(blk.add(64 * half) as *const _);
@@ -354,10 +368,7 @@ unsafe fn q4_kx8<const M: usize>(
         // caller's contract); a prefetch past the end reads nothing.
         unsafe {
             let blk = group.add(b * Q4_KX8_BLOCK);
-            let ahead = blk.wrapping_add(AHEAD);
-            for l in 0..Q4_KX8_BLOCK / 64 {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * l) as *const i8);
-            }
+            prefetch_ahead(blk, Q4_KX8_BLOCK);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const _));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const _));
             // Sub-block j's scales (a byte a row) as 32-bit lanes 2r and
@@ -365,21 +376,11 @@ unsafe fn q4_kx8<const M: usize>(
             let mut scales = [zero; 8];
             let mut mins = [0i64; 8];
             for j in 0..8 {
-                let s = blk.add(32 + 12 * j);
-                let u = [
-                    (s as *const u32).read_unaligned(),
-                    (s.add(4) as *const u32).read_unaligned(),
-                    (s.add(8) as *const u32).read_unaligned(),
-                ];
-                // ggml's unpacking of the 6-bit scales and mins.
-                let (k1, k2, k3) = (0x3f3f3f3fu32, 0x0f0f0f0fu32, 0x03030303u32);
-                let sc =
-                    (u[0] & k1) as u64 | (((u[2] & k2) | (((u[0] >> 6) & k3) << 4)) as u64) << 32;
-                let mn = (u[1] & k1) as u64
-                    | ((((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)) as u64) << 32;
+                let (sc, mn) = scales_mins(blk.add(32 + 12 * j));
+                let eight = |v: [u32; 2]| (v[0] as u64 | (v[1] as u64) << 32) as i64;
                 scales[j] =
-                    _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_set1_epi64x(sc as i64), twice));
-                mins[j] = mn as i64;
+                    _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_set1_epi64x(eight(sc)), twice));
+                mins[j] = eight(mn);
             }
             // Rows' mins of sub-blocks 2p and 2p + 1 side by side (16 bits).
             let min_pairs: [__m256i; 4] = std::array::from_fn(|p| {
