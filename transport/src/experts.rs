@@ -301,10 +301,19 @@ impl CallTiming {
         let ns_us = |from: u64, to: u64| to.saturating_sub(from) / 1000;
         let compute = call.compute_us;
         let handoff = ns_us(call.received_ns, call.replied_ns).saturating_sub(compute);
-        let transit = us(a.round_trip).saturating_sub(us(a.send) + handoff + compute);
+        // A worker that spins can take the request before this end stamps
+        // its send (this thread lost its core in between, on a loaded
+        // machine): that stretch is the worker's hand-off, so the send ends
+        // at the worker's receipt, lest it be counted twice.
+        let early = match same_clock && call.received_ns != 0 {
+            true => ns_us(call.received_ns, a.sent_ns),
+            false => 0,
+        };
+        let send = us(a.send).saturating_sub(early);
+        let transit = us(a.round_trip).saturating_sub(send + handoff + compute);
         add(&self.round_trip_us, us(a.round_trip));
         add(&self.compute_us, compute);
-        add(&self.send_us, us(a.send));
+        add(&self.send_us, send);
         add(&self.transit_us, transit);
         add(&self.handoff_us, handoff);
         add(&self.graph_us, ns_us(call.started_ns, call.built_ns));
@@ -471,6 +480,10 @@ impl ExpertLink {
                 bell.ring();
             }
             Kind::Grpc { tx, rx } => {
+                // Stamped before the hand-over to the stream task, which
+                // wakes it: as with the bell above, the wake-up may take
+                // this thread's core, and is the request's way.
+                (sent_ns, send) = (monotonic_ns(), started.elapsed());
                 if let Err(e) = tx.try_send(frame) {
                     // The stream task is gone: say why when it told us.
                     let why = rx
@@ -483,7 +496,6 @@ impl ExpertLink {
                         why,
                     });
                 }
-                (sent_ns, send) = (monotonic_ns(), started.elapsed());
             }
         }
         self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
