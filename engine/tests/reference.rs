@@ -14,6 +14,9 @@
 //! paths part where the reference's top-2 gap is small (at gaps up to 0.35
 //! there); the portable check is then looser, and the exact one is the
 //! comparison with the vendored llama.cpp computing with the same kernels.
+//!
+//! Each model test computes on both cores, so they take turns
+//! ([`common::cores`]).
 
 mod common;
 
@@ -76,6 +79,7 @@ fn tolerance() -> &'static Tolerance {
 
 /// Greedy-decodes every fixture prompt and checks ids and top-5 logits.
 fn check_reference(model_file: &str, fixture: &str, split: Option<&[u32]>) {
+    let _cores = cores();
     let fx = json(fixture);
     let tolerance = tolerance();
     let mut engine = Engine::load(model(model_file), split, config(1)).expect("model loads");
@@ -208,6 +212,7 @@ fn check_against_vendored_cut(
     split: Option<&[u32]>,
     cuts: PromptCuts,
 ) {
+    let _cores = cores();
     const STEPS: usize = 24;
     let fx = json(fixture);
     let path = model(model_file);
@@ -291,6 +296,7 @@ fn qwen2_matches_vendored_llama_cpp() {
 /// time, and ggml_build.rs checks every variant's matmuls.)
 #[test]
 fn a_lower_cpu_variant_matches_llama_cpp_too() {
+    let _cores = cores();
     let cpu = omni_engine::cpu_backend(None).expect("a CPU backend");
     let lower = lower_variant(cpu).unwrap_or_else(|| {
         panic!(
@@ -365,6 +371,7 @@ const NEAR_TIE: f32 = 0.15;
 const NEAR_TIE_OTHER_KERNELS: f32 = 0.5;
 
 fn check_batched(model_file: &str, fixture: &str) {
+    let _cores = cores();
     const N: usize = 8;
     const STEPS: usize = 24;
     let fx = json(fixture);

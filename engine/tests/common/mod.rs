@@ -4,6 +4,19 @@
 
 use std::path::PathBuf;
 
+/// The machine's cores, for one test at a time: a test that computes a
+/// real model on two threads holds this while it computes, so that a test
+/// binary run with several test threads (scripts/test runs two) computes
+/// one such test at a time. Two at once on 2 cores fight at every ggml
+/// barrier, a thread waiting for one the other test preempted:
+/// reference.rs took 189 s two at a time and 122 s one at a time (6 CPU
+/// minutes against 3.6, on a 2-core Zen 5).
+pub fn cores() -> std::sync::MutexGuard<'static, ()> {
+    static CORES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that failed holding it poisons it; the next test still runs.
+    CORES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `../shared/fixtures` beside the checkout (or `OMNI_FIXTURES_DIR`).
 pub fn fixtures_dir() -> PathBuf {
     if let Ok(d) = std::env::var("OMNI_FIXTURES_DIR") {
