@@ -305,9 +305,10 @@ impl CallTiming {
         // its send (this thread lost its core in between, on a loaded
         // machine): that stretch is the worker's hand-off, so the send ends
         // at the worker's receipt, lest it be counted twice.
-        let early = match same_clock && call.received_ns != 0 {
-            true => ns_us(call.received_ns, a.sent_ns),
-            false => 0,
+        let early = if same_clock && call.received_ns != 0 {
+            ns_us(call.received_ns, a.sent_ns)
+        } else {
+            0
         };
         let send = us(a.send).saturating_sub(early);
         let transit = us(a.round_trip).saturating_sub(send + handoff + compute);

@@ -375,9 +375,10 @@ unsafe fn q4_kx8<const M: usize>(
             // 2r + 1 for row r, and its mins.
             let mut scales = [zero; 8];
             let mut mins = [0i64; 8];
+            // A sub-block's eight bytes as one 64-bit lane.
+            let eight = |v: [u32; 2]| (v[0] as u64 | (v[1] as u64) << 32) as i64;
             for j in 0..8 {
                 let (sc, mn) = scales_mins(blk.add(32 + 12 * j));
-                let eight = |v: [u32; 2]| (v[0] as u64 | (v[1] as u64) << 32) as i64;
                 scales[j] =
                     _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_set1_epi64x(eight(sc)), twice));
                 mins[j] = eight(mn);
